@@ -1,0 +1,1 @@
+"""Framework adapters: each finds the HTTP client a framework really sends through."""

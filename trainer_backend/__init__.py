@@ -1,0 +1,1 @@
+"""The heavy side: batch building, GRPO loss, training engines, weight publishing."""
