@@ -1,0 +1,103 @@
+"""The trace store's schema: one SQLAlchemy Core schema for SQLite and PostgreSQL.
+
+Timestamps are float seconds since the epoch (portable across both engines and
+cheap to compare). Token IDs and logprobs are packed binary (see `_codec`).
+`llm_calls.rollout_id` has no foreign key on purpose: calls can arrive before the
+rollout row (another process, the `x-rollout-id` header) or belong to no rollout.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+SCHEMA_VERSION = 1
+
+metadata = sa.MetaData()
+
+rollouts = sa.Table(
+    "rollouts",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("task_id", sa.String(255), nullable=False, index=True),
+    sa.Column("mode", sa.String(16), nullable=False, server_default="train"),
+    sa.Column("status", sa.String(16), nullable=False, index=True),
+    sa.Column("input", sa.JSON, nullable=True),
+    sa.Column("metadata", sa.JSON, nullable=True),
+    sa.Column("final_reward", sa.Float, nullable=True),
+    sa.Column("policy_version", sa.Integer, nullable=True),
+    sa.Column("created_at", sa.Float, nullable=False, index=True),
+    sa.Column("ended_at", sa.Float, nullable=True),
+    sa.Column("duration_s", sa.Float, nullable=True),
+    sa.Column("error", sa.Text, nullable=True),
+    sa.Column("claimed_by", sa.String(128), nullable=True),
+    sa.Column("consumed_step", sa.Integer, nullable=True, index=True),
+)
+
+llm_calls = sa.Table(
+    "llm_calls",
+    metadata,
+    sa.Column("id", sa.String(36), primary_key=True),
+    sa.Column("rollout_id", sa.String(64), nullable=True),
+    sa.Column("call_index", sa.Integer, nullable=False),
+    sa.Column("attempt", sa.Integer, nullable=False, server_default="1"),
+    sa.Column("endpoint", sa.String(32), nullable=False),
+    sa.Column("model", sa.String(255), nullable=True),
+    sa.Column("agent_name", sa.String(255), nullable=True),
+    sa.Column("request", sa.JSON, nullable=True),
+    sa.Column("response", sa.JSON, nullable=True),
+    sa.Column("prompt_token_ids", sa.LargeBinary, nullable=True),
+    sa.Column("completion_token_ids", sa.LargeBinary, nullable=True),
+    sa.Column("logprobs", sa.LargeBinary, nullable=True),
+    sa.Column("finish_reason", sa.String(32), nullable=True),
+    sa.Column("status_code", sa.Integer, nullable=True),
+    sa.Column("stream", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("partial", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("is_training", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("error", sa.Text, nullable=True),
+    sa.Column("latency_s", sa.Float, nullable=True),
+    sa.Column("started_at", sa.Float, nullable=False),
+    sa.Column("policy_version", sa.Integer, nullable=True),
+    sa.Column("request_hash", sa.String(64), nullable=True),
+    sa.Index("ix_llm_calls_rollout", "rollout_id", "call_index"),
+)
+
+rewards = sa.Table(
+    "rewards",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("rollout_id", sa.String(64), nullable=False, index=True),
+    sa.Column("value", sa.Float, nullable=False),
+    sa.Column("name", sa.String(255), nullable=True),
+    sa.Column("final", sa.Boolean, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("metadata", sa.JSON, nullable=True),
+)
+
+policy_versions = sa.Table(
+    "policy_versions",
+    metadata,
+    sa.Column("version", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("path", sa.Text, nullable=True),
+    sa.Column("checksum", sa.String(128), nullable=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("metadata", sa.JSON, nullable=True),
+)
+
+train_steps = sa.Table(
+    "train_steps",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("step", sa.Integer, nullable=False, index=True),
+    sa.Column("trainer_id", sa.String(128), nullable=True),
+    sa.Column("policy_version", sa.Integer, nullable=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("metrics", sa.JSON, nullable=True),
+    sa.Column("rollout_ids", sa.JSON, nullable=True),
+)
+
+schema_info = sa.Table(
+    "schema_info",
+    metadata,
+    sa.Column("key", sa.String(64), primary_key=True),
+    sa.Column("value", sa.String(255), nullable=False),
+)
