@@ -320,3 +320,30 @@ def test_rollout_token_mean_equal_weight_per_rollout():
     assert per_rollout == pytest.approx({"long": 0.5, "short": 0.5})
     for a, b in itertools.combinations([float(x) for x in w[1]], 2):
         assert a == b
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("dual", [None, 3.0])
+def test_micro_batch_losses_match_verl_with_global_batch_info(verl, mode, dual):
+    """verl's non-deprecated vanilla loss, given the global token/sequence counts per micro-batch."""
+    core, _ = verl
+    from verl.workers.config import ActorConfig
+
+    g = torch.Generator().manual_seed(11)
+    B, T = 6, 8
+    old = -torch.rand(B, T, generator=g) * 3
+    logp = old + torch.randn(B, T, generator=g) * 0.5
+    adv = torch.randn(B, 1, generator=g).expand(B, T)
+    mask = (torch.rand(B, T, generator=g) > 0.3).float()
+    mask[4] = 0
+    actor = ActorConfig(strategy="fsdp", clip_ratio=0.2, clip_ratio_c=dual if dual is not None else 1e9,
+                        ppo_micro_batch_size_per_gpu=1, rollout_n=1)
+    actor.global_batch_info.update(batch_num_tokens=mask.sum(), global_batch_size=(mask.sum(-1) > 0).sum())
+    weights = torch.stack(loss_weights(list(mask), [str(i) for i in range(B)], mode))
+    cfg = LossConfig(agg=mode, dual_clip_c=dual)
+    for idx in ([0, 1, 2], [3, 4], [5]):
+        ref, metrics = core.compute_policy_loss_vanilla(old[idx], logp[idx], adv[idx], mask[idx], mode, actor)
+        ours, sums = policy_loss(logp[idx], old[idx], adv[idx], weights[idx], cfg)
+        assert ours.item() == pytest.approx(ref.item(), abs=TOL)
+        n = sums["response_tokens"]
+        assert (sums["clipped_tokens"] / n).item() == pytest.approx(metrics["actor/pg_clipfrac"], abs=TOL)

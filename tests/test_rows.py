@@ -185,3 +185,11 @@ def test_with_advantages():
     with pytest.raises(ValueError):
         with_advantages(rows, [1.0])
     assert isinstance(per_row[0], Row) and rows[0].advantage == 0.0
+
+
+def test_rows_module_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, trainer_backend.rows, lightning_middleware.records; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
