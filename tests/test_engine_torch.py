@@ -153,3 +153,17 @@ def test_save_reloads_with_transformers(model_dir, tmp_path):
         assert torch.equal(mine[k], theirs[k]), k
     changed = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     assert any(not torch.equal(changed[k], theirs[k]) for k in theirs)
+
+
+def test_recompute_option_ignores_behaviour_logprobs(model_dir):
+    rows = make_rows(PROMPTS, advantages={"good": 1.0, "bad": -1.0})
+    stale = [dataclasses.replace(r, behaviour_logprobs=tuple(-5.0 * m for m in r.loss_mask)) for r in rows]
+    eng = TorchEngine(model_dir, TorchEngineConfig(old_logprobs="recompute"))
+    assert eng.step(stale)["approx_kl"] == pytest.approx(0.0, abs=1e-6)
+    # behaviour mode uses them where present and recomputes only the row that lacks them
+    eng = TorchEngine(model_dir, TorchEngineConfig(old_logprobs="behaviour"))
+    mixed = stale[:2] + rows[2:]
+    m = eng.step(mixed)
+    assert m["approx_kl"] < -0.5 and m["clip_frac"] > 0  # old = -5 vs about -log(48) = -3.9 on 8 of 12 tokens
+    with pytest.raises(ValueError):
+        TorchEngine(model_dir, TorchEngineConfig(old_logprobs="vllm")).step(rows)
