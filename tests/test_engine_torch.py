@@ -1,0 +1,169 @@
+"""The in-process PyTorch engine on a tiny random Qwen2 model (CPU, a few seconds)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from trainer_backend.engine_torch import Engine, TorchEngine, TorchEngineConfig, split_micro_batches  # noqa: E402
+from trainer_backend.grpo import LossConfig  # noqa: E402
+from trainer_backend.rows import Row  # noqa: E402
+
+VOCAB = 48
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tiny_qwen2")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   tie_word_embeddings=True)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 128}))
+    (d / "chat_template.jinja").write_text("{{ messages }}")
+    return d
+
+
+def make_rows(prompts_by_rollout: dict[str, list[list[int]]], completion_len: int = 4,
+              advantages: dict[str, float] | None = None) -> list[Row]:
+    rows = []
+    g = torch.Generator().manual_seed(1)
+    for rid, prompts in prompts_by_rollout.items():
+        for p in prompts:
+            comp = torch.randint(0, VOCAB, (completion_len,), generator=g).tolist()
+            rows.append(Row(rollout_id=rid, task_id="t", agent=None, input_ids=tuple(p + comp),
+                            loss_mask=(0,) * len(p) + (1,) * completion_len, behaviour_logprobs=None,
+                            advantage=(advantages or {}).get(rid, 0.0)))
+    return rows
+
+
+def with_behaviour(engine: TorchEngine, rows: list[Row]) -> list[Row]:
+    """Fill behaviour log-probs from the current weights, as vLLM would have sampled them."""
+    out = []
+    for r in rows:
+        lp = response_logprobs(engine, r)
+        out.append(dataclasses.replace(r, behaviour_logprobs=tuple(lp)))
+    return out
+
+
+@torch.no_grad()
+def response_logprobs(engine: TorchEngine, row: Row) -> list[float]:
+    ids = torch.tensor([row.input_ids])
+    logits = engine.model(input_ids=ids).logits[0, :-1].float()
+    lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+    return [0.0] + [float(x) if m else 0.0 for x, m in zip(lp, row.loss_mask[1:])]
+
+
+def mean_response_logprob(engine: TorchEngine, rows: list[Row]) -> float:
+    vals = [lp for r in rows for lp, m in zip(response_logprobs(engine, r), r.loss_mask) if m]
+    return sum(vals) / len(vals)
+
+
+PROMPTS = {"good": [[1, 2, 3, 4], [1, 2, 3, 4, 9, 9, 5]], "bad": [[7, 8, 9]]}
+
+
+def test_split_micro_batches():
+    assert split_micro_batches([3, 3, 3], 6) == [[0, 1], [2]]
+    assert split_micro_batches([10, 2], 4) == [[0], [1]]  # an over-long row still gets its own batch
+    assert split_micro_batches([2, 2, 2, 2], 100) == [[0, 1, 2, 3]]
+    assert split_micro_batches([], 10) == []
+
+
+def test_steps_raise_positive_and_lower_negative_logprobs(model_dir):
+    eng = TorchEngine(model_dir, TorchEngineConfig(lr=3e-3, grad_clip=1.0,
+                                                    loss=LossConfig(clip_low=10.0, clip_high=10.0)))
+    assert isinstance(eng, Engine)
+    rows = with_behaviour(eng, make_rows(PROMPTS, advantages={"good": 1.0, "bad": -1.0}))
+    good = [r for r in rows if r.rollout_id == "good"]
+    bad = [r for r in rows if r.rollout_id == "bad"]
+    before_good, before_bad = mean_response_logprob(eng, good), mean_response_logprob(eng, bad)
+    losses = [eng.step(rows)["loss"] for _ in range(4)]
+    assert losses[0] == pytest.approx(0.0, abs=1e-5)  # ratio 1: -(1/2)(+1) - (1/2)(-1)
+    assert losses[-1] < losses[0] and all(b < a for a, b in zip(losses, losses[1:]))
+    assert mean_response_logprob(eng, good) > before_good
+    assert mean_response_logprob(eng, bad) < before_bad
+    assert eng.policy_version == 4
+
+
+def test_metrics_and_recomputed_old_logprobs(model_dir):
+    eng = TorchEngine(model_dir, TorchEngineConfig(lr=1e-3, micro_batch_tokens=8))
+    rows = make_rows(PROMPTS, advantages={"good": 0.5, "bad": -0.5})  # no behaviour log-probs: recomputed
+    m = eng.step(rows)
+    assert m["approx_kl"] == pytest.approx(0.0, abs=1e-6) and m["clip_frac"] == 0.0
+    assert m["micro_batches"] == 3 and m["rows"] == 3 and m["rollouts"] == 2
+    assert m["response_tokens"] == 12 and m["tokens"] == sum(len(r) for r in rows)
+    assert m["grad_norm"] > 0 and m["entropy"] > 0 and m["time_s"] > 0 and m["policy_version"] == 1
+    with pytest.raises(ValueError):
+        eng.step([])
+
+
+def test_micro_batching_does_not_change_the_step(model_dir):
+    rows = make_rows(PROMPTS, advantages={"good": 1.0, "bad": -2.0})
+    results = []
+    for budget in (8, 10_000):  # one row per micro-batch vs all in one
+        eng = TorchEngine(model_dir, TorchEngineConfig(lr=1e-3, grad_clip=None, micro_batch_tokens=budget))
+        rows_b = with_behaviour(eng, rows)
+        # perturb behaviour log-probs so the ratio is not 1 and clipping matters
+        rows_b = [dataclasses.replace(r, behaviour_logprobs=tuple(x - 0.3 * m for x, m in
+                                                                   zip(r.behaviour_logprobs, r.loss_mask)))
+                  for r in rows_b]
+        m = eng.step(rows_b)
+        results.append((m, {k: v.detach().clone() for k, v in eng.model.state_dict().items()}))
+    (m1, s1), (m2, s2) = results
+    assert m1["micro_batches"] == 3 and m2["micro_batches"] == 1
+    for key in ("loss", "grad_norm", "clip_frac", "approx_kl", "entropy"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-5, abs=1e-6), key
+    for k in s1:
+        assert torch.allclose(s1[k], s2[k], atol=1e-5), k
+
+
+def test_frozen_embeddings_and_options(model_dir):
+    cfg = TorchEngineConfig(lr=1e-2, freeze_embeddings=True, bf16_autocast=True, gradient_checkpointing=True,
+                            loss=LossConfig(kl_coef=0.1, entropy_coef=0.01, dual_clip_c=3.0))
+    eng = TorchEngine(model_dir, cfg)
+    emb0 = eng.model.get_input_embeddings().weight.detach().clone()
+    layer0 = eng.model.model.layers[0].mlp.up_proj.weight.detach().clone()
+    m = eng.step(make_rows(PROMPTS, advantages={"good": 1.0, "bad": -1.0}))
+    assert all(v == v for v in m.values())  # no NaN
+    assert m["kl_ref"] == pytest.approx(0.0, abs=1e-2)  # the reference is the start weights
+    assert torch.equal(eng.model.get_input_embeddings().weight, emb0)
+    assert not torch.equal(eng.model.model.layers[0].mlp.up_proj.weight, layer0)
+    m2 = eng.step(make_rows(PROMPTS, advantages={"good": 1.0, "bad": -1.0}))
+    assert m2["kl_ref"] > 0
+
+
+def test_save_reloads_with_transformers(model_dir, tmp_path):
+    eng = TorchEngine(model_dir, TorchEngineConfig(lr=1e-2))
+    eng.step(make_rows(PROMPTS, advantages={"good": 1.0, "bad": -1.0}))
+    out = eng.save(tmp_path / "v1")
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "tokenizer_config.json", "chat_template.jinja"} <= names
+    assert any(n.endswith(".safetensors") for n in names)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    mine, theirs = eng.model.state_dict(), reloaded.state_dict()
+    assert set(mine) == set(theirs)
+    for k in mine:
+        assert torch.equal(mine[k], theirs[k]), k
+    changed = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert any(not torch.equal(changed[k], theirs[k]) for k in theirs)
+
+
+def test_recompute_option_ignores_behaviour_logprobs(model_dir):
+    rows = make_rows(PROMPTS, advantages={"good": 1.0, "bad": -1.0})
+    stale = [dataclasses.replace(r, behaviour_logprobs=tuple(-5.0 * m for m in r.loss_mask)) for r in rows]
+    eng = TorchEngine(model_dir, TorchEngineConfig(old_logprobs="recompute"))
+    assert eng.step(stale)["approx_kl"] == pytest.approx(0.0, abs=1e-6)
+    # behaviour mode uses them where present and recomputes only the row that lacks them
+    eng = TorchEngine(model_dir, TorchEngineConfig(old_logprobs="behaviour"))
+    mixed = stale[:2] + rows[2:]
+    m = eng.step(mixed)
+    assert m["approx_kl"] < -0.5 and m["clip_frac"] > 0  # old = -5 vs about -log(48) = -3.9 on 8 of 12 tokens
+    with pytest.raises(ValueError):
+        TorchEngine(model_dir, TorchEngineConfig(old_logprobs="vllm")).step(rows)

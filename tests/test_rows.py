@@ -1,0 +1,195 @@
+"""Token/mask edge cases of the row rule (trainer_backend.rows). Pure Python."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_middleware.records import LLMCall, Rollout
+from trainer_backend.rows import Row, RowStats, build_rows, build_rows_for_rollouts, with_advantages
+
+
+def call(i: int, prompt, completion, *, lp=None, agent=None, attempt=1, training=True, partial=False,
+         version=None, default_lp=True) -> LLMCall:
+    if lp is None and default_lp:
+        lp = tuple(-0.1 * (k + 1) for k in range(len(completion)))
+    return LLMCall(id=f"c{i}.{attempt}.{agent}", rollout_id="r1", call_index=i, attempt=attempt,
+                   agent_name=agent, prompt_token_ids=tuple(prompt), completion_token_ids=tuple(completion),
+                   logprobs=lp, is_training=training, partial=partial, policy_version=version)
+
+
+def rows_of(calls, max_len=None):
+    return build_rows(calls, rollout_id="r1", task_id="t1", max_len=max_len)
+
+
+def test_single_call():
+    rows, st = rows_of([call(0, [1, 2, 3], [4, 5], version=3)])
+    assert len(rows) == 1
+    r = rows[0]
+    assert r.input_ids == (1, 2, 3, 4, 5)
+    assert r.loss_mask == (0, 0, 0, 1, 1)
+    assert r.behaviour_logprobs == pytest.approx((0, 0, 0, -0.1, -0.2))
+    assert (r.rollout_id, r.task_id, r.agent, r.policy_version, r.advantage) == ("r1", "t1", None, 3, 0.0)
+    assert r.n_response_tokens == 2 and len(r) == 5
+    assert st.calls_used == 1 and st.rows == 1 and st.merges == 0 and st.prefix_breaks == 0
+    assert st.prefix_break_rate == 0.0 and st.response_tokens == 2 and st.total_tokens == 5
+
+
+def test_merge_three_turns_with_observations():
+    c0 = call(0, [1, 2], [10, 11], version=1)
+    c1 = call(1, [1, 2, 10, 11, 20, 21, 22], [12], version=2)  # observation 20 21 22
+    c2 = call(2, [1, 2, 10, 11, 20, 21, 22, 12, 30], [13, 14], version=2)
+    rows, st = rows_of([c0, c1, c2])
+    assert len(rows) == 1
+    r = rows[0]
+    assert r.input_ids == (1, 2, 10, 11, 20, 21, 22, 12, 30, 13, 14)
+    assert r.loss_mask == (0, 0, 1, 1, 0, 0, 0, 1, 0, 1, 1)
+    assert r.behaviour_logprobs == pytest.approx((0, 0, -0.1, -0.2, 0, 0, 0, -0.1, 0, -0.1, -0.2))
+    assert r.call_ids == ("c0.1.None", "c1.1.None", "c2.1.None")
+    assert r.policy_version == 1  # oldest
+    assert st.merges == 2 and st.prefix_breaks == 0 and st.rows == 1
+
+
+def test_merge_with_no_observation_between():
+    rows, st = rows_of([call(0, [1], [2]), call(1, [1, 2], [3])])
+    assert rows[0].input_ids == (1, 2, 3) and rows[0].loss_mask == (0, 1, 1)
+    assert st.merges == 1
+
+
+def test_prefix_break_starts_new_row():
+    c0 = call(0, [1, 2], [10, 11])
+    c1 = call(1, [1, 2, 10, 99, 20], [12])  # re-tokenised completion: not a prefix
+    c2 = call(2, [1, 2, 10, 99, 20, 12, 5], [13])  # extends the second row
+    rows, st = rows_of([c0, c1, c2])
+    assert [r.input_ids for r in rows] == [(1, 2, 10, 11), (1, 2, 10, 99, 20, 12, 5, 13)]
+    assert rows[1].loss_mask == (0, 0, 0, 0, 0, 1, 0, 1)
+    assert st.prefix_breaks == 1 and st.merges == 1 and st.prefix_break_rate == 0.5
+
+
+def test_shorter_prompt_is_a_break():
+    rows, st = rows_of([call(0, [1, 2, 3], [4]), call(1, [1, 2], [5])])
+    assert len(rows) == 2 and st.prefix_breaks == 1
+
+
+def test_two_agents_interleaved():
+    a0 = call(0, [1, 2], [3], agent="planner")
+    b0 = call(1, [7, 8], [9], agent="coder")
+    a1 = call(2, [1, 2, 3, 4], [5], agent="planner")
+    b1 = call(3, [7, 8, 9, 6], [10], agent="coder")
+    rows, st = rows_of([a0, b0, a1, b1])
+    assert [(r.agent, r.input_ids, r.loss_mask) for r in rows] == [
+        ("planner", (1, 2, 3, 4, 5), (0, 0, 1, 0, 1)),
+        ("coder", (7, 8, 9, 6, 10), (0, 0, 1, 0, 1)),
+    ]
+    assert st.merges == 2 and st.prefix_breaks == 0
+
+
+def test_agents_do_not_merge_across_threads():
+    # agent b's prompt extends agent a's row, but belongs to another thread
+    rows, st = rows_of([call(0, [1], [2], agent="a"), call(1, [1, 2, 3], [4], agent="b")])
+    assert len(rows) == 2 and st.merges == 0 and st.prefix_breaks == 0
+
+
+def test_retried_call_uses_training_attempt_only():
+    failed = call(1, [1, 2, 3, 4], [77], attempt=1, training=False)
+    ok = call(1, [1, 2, 3, 4], [5], attempt=2)
+    rows, st = rows_of([call(0, [1, 2], [3]), ok, failed])  # order in input does not matter
+    assert rows[0].input_ids == (1, 2, 3, 4, 5)
+    assert st.skipped_non_training == 1 and st.calls_used == 2 and st.calls_in == 3
+
+
+def test_duplicate_training_attempts_later_wins():
+    rows, st = rows_of([call(0, [1], [2], attempt=1), call(0, [1], [3], attempt=2)])
+    assert rows[0].input_ids == (1, 3) and st.duplicate_attempts == 1
+
+
+def test_partial_stream_skipped():
+    rows, st = rows_of([call(0, [1, 2], [3]), call(1, [1, 2, 3, 4], [5, 6], partial=True, training=False)])
+    assert rows[0].input_ids == (1, 2, 3)
+    assert st.skipped_partial == 1 and st.skipped_non_training == 0
+
+
+def test_partial_counted_even_if_marked_training():
+    _, st = rows_of([call(0, [1], [2], partial=True, training=True)])
+    assert st.skipped_partial == 1 and st.rows == 0
+
+
+def test_call_without_token_ids_skipped():
+    no_ids = call(1, [], [], default_lp=False)
+    rows, st = rows_of([call(0, [1], [2]), no_ids, call(2, [1, 2, 3], [4])])
+    assert st.skipped_no_token_ids == 1
+    assert rows[0].input_ids == (1, 2, 3, 4) and st.merges == 1
+
+
+def test_missing_or_mismatched_logprobs_make_row_recompute():
+    rows, st = rows_of([call(0, [1], [2]), call(1, [1, 2, 3], [4], default_lp=False)])
+    assert rows[0].behaviour_logprobs is None and st.calls_without_logprobs == 1
+    rows, st = rows_of([call(0, [1], [2, 3], lp=(-0.5,))])
+    assert rows[0].behaviour_logprobs is None and st.calls_without_logprobs == 1
+
+
+def test_truncation_keeps_left_part():
+    c0 = call(0, [1, 2], [3, 4])
+    c1 = call(1, [1, 2, 3, 4, 5], [6, 7, 8])
+    rows, st = rows_of([c0, c1], max_len=6)
+    r = rows[0]
+    assert r.input_ids == (1, 2, 3, 4, 5, 6) and r.loss_mask == (0, 0, 1, 1, 0, 1)
+    assert r.behaviour_logprobs == pytest.approx((0, 0, -0.1, -0.2, 0, -0.1))
+    assert r.truncated and st.truncated_rows == 1 and st.truncated_response_tokens == 2
+    assert st.response_tokens == 3 and st.total_tokens == 6
+
+
+def test_truncation_exact_fit_is_not_truncated():
+    rows, st = rows_of([call(0, [1, 2], [3])], max_len=3)
+    assert not rows[0].truncated and st.truncated_rows == 0
+
+
+def test_truncation_drops_row_without_completion_left():
+    rows, st = rows_of([call(0, [1, 2, 3, 4], [5, 6]), call(1, [9], [8])], max_len=4)
+    assert [r.input_ids for r in rows] == [(9, 8)]
+    assert st.dropped_too_long == 1 and st.truncated_rows == 1 and st.truncated_response_tokens == 2
+    assert st.rows == 1 and st.prefix_breaks == 1
+
+
+def test_empty_completion():
+    # alone: no response token, row dropped
+    rows, st = rows_of([call(0, [1, 2], [])])
+    assert rows == [] and st.dropped_empty == 1 and st.calls_used == 1
+    # inside a thread: adds nothing to the loss but still extends the prefix
+    rows, st = rows_of([call(0, [1], [2]), call(1, [1, 2, 3], []), call(2, [1, 2, 3, 4], [5])])
+    assert rows[0].input_ids == (1, 2, 3, 4, 5) and rows[0].loss_mask == (0, 1, 0, 0, 1)
+    assert st.merges == 2 and rows[0].behaviour_logprobs == pytest.approx((0, -0.1, 0, 0, -0.1))
+
+
+def test_no_calls():
+    rows, st = rows_of([])
+    assert rows == [] and st == RowStats()
+
+
+def test_stats_add_and_groups_of_one():
+    items = [
+        (Rollout(id="r1", task_id="t1"), [call(0, [1], [2])]),
+        (Rollout(id="r2", task_id="t2"), [call(0, [1], [2]), call(1, [5], [6])]),
+    ]
+    rows, st = build_rows_for_rollouts(items)
+    assert [(r.rollout_id, r.task_id) for r in rows] == [("r1", "t1"), ("r2", "t2"), ("r2", "t2")]
+    assert st.rows == 3 and st.prefix_breaks == 1 and st.calls_in == 3
+    assert st.as_dict()["prefix_break_rate"] == 1.0
+
+
+def test_with_advantages():
+    rows, _ = rows_of([call(0, [1], [2]), call(1, [5], [6])])
+    by_rollout = with_advantages(rows, {"r1": 0.5})
+    assert [r.advantage for r in by_rollout] == [0.5, 0.5]
+    per_row = with_advantages(rows, [1.0, -1.0])
+    assert [r.advantage for r in per_row] == [1.0, -1.0]
+    with pytest.raises(ValueError):
+        with_advantages(rows, [1.0])
+    assert isinstance(per_row[0], Row) and rows[0].advantage == 0.0
+
+
+def test_rows_module_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, trainer_backend.rows, lightning_middleware.records; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -1,0 +1,265 @@
+"""An in-process PyTorch training engine (one machine, CPU or one GPU) over transformers.
+
+One `step(rows)` is one optimizer update:
+  1. per-token loss weights over all rows of the step (grpo.loss_weights),
+  2. old log-probs: vLLM's behaviour log-probs, or recomputed by a no-grad forward
+     (config `old_logprobs="recompute"`, and always for rows that lack them),
+  3. micro-batches of padded rows: forward, PPO loss, backward (gradients accumulate;
+     the step-normalised weights make the sum exact, so no rescaling happens here),
+  4. grad-norm clip, AdamW step, policy_version += 1.
+
+The `Engine` protocol is what the trainer daemon uses, so a verl engine can sit behind it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from trainer_backend.grpo import LossConfig, entropy_from_logits, loss_weights, policy_loss, token_logprobs
+from trainer_backend.rows import Row
+
+log = logging.getLogger(__name__)
+
+# Files a serving engine needs besides config + weights; copied from the source dir by save().
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    policy_version: int
+
+    def step(self, rows: Sequence[Row]) -> dict[str, float]: ...
+
+    def save(self, out_dir: str | Path) -> Path: ...
+
+
+@dataclass(frozen=True)
+class TorchEngineConfig:
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    loss: LossConfig = LossConfig()
+    micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) per micro-batch
+    old_logprobs: str = "behaviour"  # "behaviour" (vLLM's) | "recompute" (current weights, before the update)
+    freeze_embeddings: bool = False  # with tied embeddings this also freezes the LM head
+    bf16_autocast: bool = False
+    gradient_checkpointing: bool = False
+    reference_model: bool = False  # keep a frozen copy of the start weights for KL; implied by loss.kl_coef > 0
+
+
+# ---------------------------------------------------------------- batching
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Padded tensors for some rows; per-token tensors are shifted to the predicted position."""
+
+    index: tuple[int, ...]  # positions of these rows in the step
+    input_ids: torch.Tensor  # (B, T)
+    attention_mask: torch.Tensor  # (B, T)
+    targets: torch.Tensor  # (B, T-1): input_ids[:, 1:]
+    weights: torch.Tensor  # (B, T-1)
+    advantages: torch.Tensor  # (B, T-1)
+    behaviour_logp: torch.Tensor  # (B, T-1); 0 where unknown
+    has_behaviour: torch.Tensor  # (B,) bool
+
+
+def split_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Greedy, in order: add rows while rows x longest row stays within max_tokens (a row alone always fits)."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if current and (len(current) + 1) * max(longest, n) > max_tokens:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def make_micro_batch(rows: Sequence[Row], index: Sequence[int], weights: Sequence[torch.Tensor],
+                     pad_id: int = 0) -> MicroBatch:
+    T = max(len(rows[i]) for i in index)
+    B = len(index)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    w = torch.zeros(B, T)
+    blp = torch.zeros(B, T)
+    has = torch.zeros(B, dtype=torch.bool)
+    for b, i in enumerate(index):
+        row, n = rows[i], len(rows[i])
+        ids[b, :n] = torch.tensor(row.input_ids)
+        attn[b, :n] = 1
+        w[b, :n] = weights[i]
+        if row.behaviour_logprobs is not None:
+            blp[b, :n] = torch.tensor(row.behaviour_logprobs)
+            has[b] = True
+    adv = torch.tensor([rows[i].advantage for i in index], dtype=torch.float32).unsqueeze(-1).expand(B, T - 1)
+    return MicroBatch(index=tuple(index), input_ids=ids, attention_mask=attn, targets=ids[:, 1:],
+                      weights=w[:, 1:], advantages=adv, behaviour_logp=blp[:, 1:], has_behaviour=has)
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class TorchEngine:
+    """Trains a transformers causal LM in this process. Satisfies `Engine`."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: TorchEngineConfig = TorchEngineConfig(),
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        policy_version: int = 0,
+    ) -> None:
+        self.source_dir = Path(model_dir)
+        self.config = config
+        self.device = torch.device(device)
+        self.policy_version = policy_version
+        self.model = AutoModelForCausalLM.from_pretrained(self.source_dir, dtype=dtype).to(self.device)
+        self.model.train()
+        if config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.config.use_cache = False
+        if config.freeze_embeddings:
+            self.model.get_input_embeddings().weight.requires_grad_(False)
+        self.ref_model = None
+        if config.reference_model or config.loss.kl_coef > 0:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.betas,
+                                           eps=config.adam_eps, weight_decay=config.weight_decay)
+        pad = self.model.config.pad_token_id
+        self.pad_id = int(pad) if pad is not None else 0
+        log.info("TorchEngine: %s, %.2fM trainable params, version %d", self.source_dir,
+                 sum(p.numel() for p in self.params) / 1e6, policy_version)
+
+    # -- forward helpers
+
+    def _autocast(self):
+        if self.config.bf16_autocast:
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _forward(self, model: torch.nn.Module, mb: MicroBatch, with_entropy: bool):
+        """Per-token log-probs of the targets (B, T-1) and, optionally, entropies."""
+        with self._autocast():
+            logits = model(input_ids=mb.input_ids.to(self.device),
+                           attention_mask=mb.attention_mask.to(self.device), use_cache=False).logits
+        logits = logits[:, :-1].float()
+        logp = token_logprobs(logits, mb.targets.to(self.device))
+        entropy = None
+        if with_entropy:
+            if self.config.loss.entropy_coef:
+                entropy = entropy_from_logits(logits)
+            else:
+                with torch.no_grad():
+                    entropy = entropy_from_logits(logits)
+        return logp, entropy
+
+    @torch.no_grad()
+    def _old_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        """Behaviour log-probs where the row has them and the config uses them, else recomputed."""
+        use_behaviour = mb.has_behaviour if self.config.old_logprobs == "behaviour" else torch.zeros_like(mb.has_behaviour)
+        if bool(use_behaviour.all()):
+            return mb.behaviour_logp.to(self.device)
+        recomputed, _ = self._forward(self.model, mb, with_entropy=False)
+        keep = use_behaviour.to(self.device).unsqueeze(-1)
+        return torch.where(keep, mb.behaviour_logp.to(self.device), recomputed)
+
+    # -- the update
+
+    def step(self, rows: Sequence[Row]) -> dict[str, float]:
+        """One optimizer update on all rows (advantages already set on them). Returns metrics."""
+        if not rows:
+            raise ValueError("step() needs at least one row")
+        if self.config.old_logprobs not in ("behaviour", "recompute"):
+            raise ValueError(f"old_logprobs must be 'behaviour' or 'recompute', not {self.config.old_logprobs!r}")
+        t0 = time.perf_counter()
+        cfg = self.config.loss
+        weights = loss_weights([torch.tensor(r.loss_mask) for r in rows], [r.rollout_id for r in rows], cfg.agg)
+        batches = [make_micro_batch(rows, idx, weights, self.pad_id)
+                   for idx in split_micro_batches([len(r) for r in rows], self.config.micro_batch_tokens)]
+        # Old log-probs first, for every micro-batch, so that all are taken before any update.
+        old = [self._old_logprobs(mb) for mb in batches]
+
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for mb, old_logp in zip(batches, old):
+            logp, entropy = self._forward(self.model, mb, with_entropy=True)
+            ref_logp = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_logp, _ = self._forward(self.ref_model, mb, with_entropy=False)
+            loss, mb_sums = policy_loss(logp, old_logp, mb.advantages.to(self.device), mb.weights.to(self.device),
+                                        cfg, ref_logp=ref_logp, entropy=entropy)
+            loss.backward()
+            for k, v in mb_sums.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+
+        clip = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.policy_version += 1
+        return self._metrics(rows, batches, sums, grad_norm, time.perf_counter() - t0)
+
+    def _metrics(self, rows: Sequence[Row], batches: Sequence[MicroBatch], sums: dict[str, float],
+                 grad_norm: float, elapsed: float) -> dict[str, float]:
+        n_resp = max(sums["response_tokens"], 1.0)
+        tokens = sum(len(r) for r in rows)
+        metrics = {
+            "loss": sums["loss"],
+            "pg_loss": sums["pg_loss"],
+            "clip_frac": sums["clipped_tokens"] / n_resp,
+            "clip_frac_lower": sums["clipped_lower_tokens"] / n_resp,
+            "approx_kl": sums["neg_log_ratio_sum"] / n_resp,  # mean(old - new) over response tokens, verl's ppo_kl
+            "entropy": sums.get("entropy", float("nan")),  # aggregated like the loss
+            "grad_norm": grad_norm,
+            "rows": float(len(rows)),
+            "rollouts": float(len({r.rollout_id for r in rows})),
+            "micro_batches": float(len(batches)),
+            "tokens": float(tokens),
+            "padded_tokens": float(sum(mb.input_ids.numel() for mb in batches)),
+            "response_tokens": sums["response_tokens"],
+            "time_s": elapsed,
+            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+            "policy_version": float(self.policy_version),
+        }
+        if "kl_ref" in sums:
+            metrics["kl_ref"] = sums["kl_ref"]
+        return metrics
+
+    # -- weights out
+
+    def save(self, out_dir: str | Path) -> Path:
+        """HF safetensors + config (+ generation config) and the source dir's tokenizer files."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out)  # safetensors: the only format in transformers 5
+        for name in TOKENIZER_FILES:
+            src = self.source_dir / name
+            if src.is_file() and not (out / name).exists():
+                shutil.copy2(src, out / name)
+        log.info("saved policy version %d to %s", self.policy_version, out)
+        return out
