@@ -8,10 +8,12 @@ in front of that client's transport. For each chat/completions request it:
    unless the caller set them, asks for an uncompressed body, and removes our
    routing headers (`x-rollout-id`, `x-agent-name`);
 2. forwards the request, and hands back the response with its body stream
-   teed: bytes flow to the caller as they arrive while a parser rebuilds text,
-   tool calls, token IDs, logprobs and the finish reason on the side;
-3. when the body ends or is closed, submits one `LLMCall` to the store's
-   background writer (never blocking, never raising into the agent).
+   teed: bytes flow to the caller as they arrive and are kept aside;
+3. when the body ends or is closed, hands the attempt to the store's
+   background writer, whose thread parses the kept bytes into one `LLMCall`
+   (text, tool calls, token IDs, logprobs, finish reason). The agent's thread
+   pays for an append per chunk, never for parsing or disk, and nothing here
+   raises into the agent.
 
 If a server rejects the extra fields with a 400, the request is resent once as
 the caller wrote it and injection stops for that host: recording must never be
@@ -27,14 +29,13 @@ import logging
 import threading
 import time
 import types
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._assemble import Assembled, BodyCollector
 from .context import AGENT_HEADER, ROLLOUT_HEADER, RolloutState, current_agent, current_rollout, state_for_header
-from .records import LLMCall
+from .records import LLMCall, new_id
 from .store import TraceStore
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,8 @@ class _Counter:
 
 
 # --------------------------------------------------------------------------
-# One call in flight
+# One call in flight. The agent's thread only collects bytes; parsing them into
+# a record happens on the store's writer thread (`_DeferredCall.build`).
 # --------------------------------------------------------------------------
 
 @dataclass
@@ -93,8 +95,8 @@ class _Pending:
     call_index: int
     attempt: int
     agent_name: str | None
-    request_json: dict[str, Any]
-    request_hash: str
+    body: bytes  # the request body as the caller sent it
+    payload: dict[str, Any]  # ... parsed
     injected: bool
     started_at: float = field(default_factory=time.time)
     t0: float = field(default_factory=time.perf_counter)
@@ -104,56 +106,81 @@ class _Pending:
     def store(self) -> TraceStore:
         return self.state.store if self.state is not None else self.settings.store
 
-    def finish(self, *, status_code: int | None, assembled: Assembled | None, error: str | None,
-               stream: bool, policy_version: int | None) -> None:
-        """Submit the record exactly once. Never raises."""
+    def finish(self, *, status_code: int | None = None, chunks: list[bytes] | None = None,
+               headers: Any = None, error: str | None = None) -> None:
+        """Hand the call to the store's writer exactly once. Never raises."""
         if self.done:
             return
         self.done = True
         try:
-            self.store.submit_call(self._record(status_code, assembled, error, stream, policy_version))
+            self.store.submit_call(_DeferredCall(self, status_code, chunks or [], headers, error,
+                                                 time.perf_counter() - self.t0))
         except Exception:  # recording must not break the agent
             log.exception("could not record an LLM call")
 
-    def _record(self, status_code: int | None, a: Assembled | None, error: str | None, stream: bool,
-                policy_version: int | None) -> LLMCall:
-        a = a or Assembled()
-        ok = status_code is not None and 200 <= status_code < 300
+
+class _DeferredCall:
+    """A finished HTTP attempt, turned into an `LLMCall` by `build()` on the writer thread."""
+
+    def __init__(self, pending: _Pending, status_code: int | None, chunks: list[bytes], headers: Any,
+                 error: str | None, latency_s: float) -> None:
+        self.pending = pending
+        self.status_code = status_code
+        self.chunks = chunks
+        self.content_type = headers.get("content-type", "") if headers is not None else ""
+        self.content_encoding = headers.get("content-encoding") if headers is not None else None
+        self.policy_version = _policy_version_of(headers)
+        self.error = error
+        self.latency_s = latency_s
+
+    def build(self) -> LLMCall:
+        p = self.pending
+        streaming = "text/event-stream" in self.content_type
+        collector = BodyCollector(p.endpoint, streaming, self.content_encoding)
+        for chunk in self.chunks:
+            collector.feed(chunk)
+        a = collector.result() if self.status_code is not None else Assembled()
+        ok = self.status_code is not None and 200 <= self.status_code < 300
+        error = self.error
+        if self.status_code is not None and not ok:
+            error = f"HTTP {self.status_code}: {collector.raw_text(500)}" if not streaming else f"HTTP {self.status_code}"
         has_ids = bool(a.prompt_token_ids) and bool(a.completion_token_ids)
-        if ok and a.complete and not has_ids and self.endpoint != "responses":
+        trainable = p.endpoint != "responses"
+        if ok and a.complete and not has_ids and trainable:
             _warn_once("no-ids", "the LLM server returned no token IDs (is it vLLM?); calls are recorded "
                        "but can't be trained on")
+        pv = self.policy_version
+        if pv is None and p.state is not None:
+            pv = p.state.policy_version
         return LLMCall(
-            id=uuid.uuid4().hex,
-            rollout_id=None if self.state is None else self.state.id,
-            call_index=self.call_index,
-            attempt=self.attempt,
-            endpoint=self.endpoint,
-            model=self.request_json.get("model") or (a.response or {}).get("model"),
-            agent_name=self.agent_name,
-            request=self.request_json,
+            id=new_id(),
+            rollout_id=None if p.state is None else p.state.id,
+            call_index=p.call_index,
+            attempt=p.attempt,
+            endpoint=p.endpoint,
+            model=p.payload.get("model") or (a.response or {}).get("model"),
+            agent_name=p.agent_name,
+            request=p.payload,
             response=a.response,
             prompt_token_ids=tuple(a.prompt_token_ids),
             completion_token_ids=tuple(a.completion_token_ids),
             logprobs=tuple(a.logprobs) if a.logprobs is not None else None,
             finish_reason=a.finish_reason,
-            status_code=status_code,
-            stream=stream,
+            status_code=self.status_code,
+            stream=streaming,
             partial=ok and not a.complete,
-            is_training=ok and a.complete and has_ids and self.endpoint != "responses",
+            is_training=ok and a.complete and has_ids and trainable,
             error=error or a.error,
-            latency_s=time.perf_counter() - self.t0,
-            started_at=self.started_at,
-            policy_version=policy_version if policy_version is not None else
-            (self.state.policy_version if self.state is not None else None),
-            request_hash=self.request_hash,
+            latency_s=self.latency_s,
+            started_at=p.started_at,
+            policy_version=pv,
+            request_hash=hashlib.sha256(p.body).hexdigest(),
         )
 
 
 def _begin(settings: CaptureSettings, request: Any, body: bytes) -> tuple[_Pending | None, bytes | None]:
     """Decide whether to record `request`; returns (pending, new body or None if unchanged)."""
     endpoint = _endpoint_of(request.url.path)
-    header_rid = request.headers.get(ROLLOUT_HEADER)
     if endpoint is None or request.method != "POST":
         return None, None
     try:
@@ -163,12 +190,12 @@ def _begin(settings: CaptureSettings, request: Any, body: bytes) -> tuple[_Pendi
     if not isinstance(payload, dict):
         return None, None
     state = current_rollout()
+    header_rid = request.headers.get(ROLLOUT_HEADER)
     if state is None and header_rid:
         state = state_for_header(header_rid, settings.store)
     if state is None and not settings.record_unattached:
         return None, None
-    request_hash = hashlib.sha256(body).hexdigest()
-    new_payload, injected = _inject(settings, endpoint, payload, state, request.url.host)
+    additions = _additions(settings, endpoint, payload, state, request.url.host)
     try:
         retries = int(request.headers.get("x-stainless-retry-count", "0"))
     except ValueError:
@@ -178,45 +205,48 @@ def _begin(settings: CaptureSettings, request: Any, body: bytes) -> tuple[_Pendi
         call_index=state.next_call_index() if state is not None else settings._unattached_counter(),
         attempt=retries + 1,
         agent_name=request.headers.get(AGENT_HEADER) or current_agent(),
-        request_json=payload, request_hash=request_hash, injected=injected,
+        body=body, payload=payload, injected=bool(additions),
     )
     if endpoint == "responses":
         _warn_once("responses", "Responses API calls are recorded but vLLM returns no token IDs there; "
                    "use chat.completions for training (see docs)")
-    return pending, json.dumps(new_payload).encode() if injected else None
+    return pending, _splice(body, payload, additions) if additions else None
 
 
-def _inject(settings: CaptureSettings, endpoint: str, payload: dict[str, Any], state: RolloutState | None,
-            host: str) -> tuple[dict[str, Any], bool]:
+def _additions(settings: CaptureSettings, endpoint: str, payload: dict[str, Any], state: RolloutState | None,
+               host: str) -> dict[str, Any]:
+    """The fields to add to the request body; the caller's own settings always win."""
     if endpoint == "responses" or not settings.inject_token_ids or host in settings.no_inject_hosts:
-        return payload, False
-    out = dict(payload)
-    if "return_token_ids" not in out:
+        return {}
+    out: dict[str, Any] = {}
+    if "return_token_ids" not in payload:
         out["return_token_ids"] = True
     training = state is not None and state.mode == "train"
-    if settings.inject_logprobs and training and "logprobs" not in out:
+    if settings.inject_logprobs and training and "logprobs" not in payload:
         # chat: a boolean; legacy completions: the number of top alternatives (0 = the chosen token only)
         out["logprobs"] = True if endpoint == "chat.completions" else 0
-    return out, out != payload
+    return out
 
 
-def _forward_headers(request: Any, body_changed: bool) -> list[tuple[str, str]]:
-    drop = set(_STRIP_HEADERS) | ({"content-length"} if body_changed else set()) | {"accept-encoding"}
-    headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in drop]
-    headers.append(("accept-encoding", "identity"))
-    return headers
+def _splice(body: bytes, payload: dict[str, Any], additions: dict[str, Any]) -> bytes:
+    """Add top-level fields to a JSON object body without re-serialising it.
+
+    `payload` is the parsed body, so the body is known to be one JSON object and
+    the new keys known to be absent: inserting before its closing brace is exact.
+    """
+    extra = json.dumps(additions)[1:-1].encode()
+    if not payload:
+        return b"{" + extra + b"}"
+    end = body.rindex(b"}")
+    return body[:end] + b"," + extra + body[end:]
 
 
-def _policy_version_of(response: Any) -> int | None:
-    value = response.headers.get("x-lightning-policy-version")
+def _policy_version_of(headers: Any) -> int | None:
+    value = None if headers is None else headers.get("x-lightning-policy-version")
     try:
         return int(value) if value is not None else None
     except ValueError:
         return None
-
-
-def _strip_only(request: Any) -> bool:
-    return any(h in request.headers for h in _STRIP_HEADERS)
 
 
 # --------------------------------------------------------------------------
@@ -228,12 +258,14 @@ def transport_classes(module: types.ModuleType) -> tuple[type, type]:
     """(sync transport class, async transport class) for an httpx-like module."""
 
     class TeeStream(module.SyncByteStream):  # type: ignore[name-defined,misc]
-        def __init__(self, inner: Any, collector: BodyCollector, on_close: Any) -> None:
-            self._inner, self._collector, self._on_close = inner, collector, on_close
+        """Passes the body through as it arrives, keeping a reference to each chunk."""
+
+        def __init__(self, inner: Any, chunks: list[bytes], on_close: Any) -> None:
+            self._inner, self._chunks, self._on_close = inner, chunks, on_close
 
         def __iter__(self) -> Iterator[bytes]:
             for chunk in self._inner:
-                _safe_feed(self._collector, chunk)
+                self._chunks.append(chunk)
                 yield chunk
 
         def close(self) -> None:
@@ -243,12 +275,12 @@ def transport_classes(module: types.ModuleType) -> tuple[type, type]:
                 self._on_close()
 
     class AsyncTeeStream(module.AsyncByteStream):  # type: ignore[name-defined,misc]
-        def __init__(self, inner: Any, collector: BodyCollector, on_close: Any) -> None:
-            self._inner, self._collector, self._on_close = inner, collector, on_close
+        def __init__(self, inner: Any, chunks: list[bytes], on_close: Any) -> None:
+            self._inner, self._chunks, self._on_close = inner, chunks, on_close
 
         async def __aiter__(self) -> AsyncIterator[bytes]:
             async for chunk in self._inner:
-                _safe_feed(self._collector, chunk)
+                self._chunks.append(chunk)
                 yield chunk
 
         async def aclose(self) -> None:
@@ -257,43 +289,45 @@ def transport_classes(module: types.ModuleType) -> tuple[type, type]:
             finally:
                 self._on_close()
 
-    def rebuild(request: Any, body: bytes, changed: bool) -> Any:
-        return module.Request(request.method, request.url, headers=_forward_headers(request, changed),
-                              content=body, extensions=request.extensions)
+    def set_body(request: Any, body: bytes) -> None:
+        request.stream = module.ByteStream(body)
+        request._content = body
+        request.headers["content-length"] = str(len(body))
 
-    def wrap_response(response: Any, pending: _Pending, tee_cls: type) -> Any:
-        content_type = response.headers.get("content-type", "")
-        streaming = "text/event-stream" in content_type
-        collector = BodyCollector(pending.endpoint, streaming, response.headers.get("content-encoding"))
-        status = response.status_code
-        pv = _policy_version_of(response)
+    def prepare(request: Any, new_body: bytes | None) -> None:
+        """Edit the outgoing request in place: cheaper than building a new one.
+
+        The SDKs build a fresh request for every attempt, so nothing else sees it.
+        """
+        strip_routing_headers(request)
+        request.headers["accept-encoding"] = "identity"  # so the tee sees plain bytes
+        if new_body is not None:
+            set_body(request, new_body)
+
+    def tee(response: Any, pending: _Pending, tee_cls: type) -> Any:
+        chunks: list[bytes] = []
 
         def on_close() -> None:
-            result = collector.result()
-            error = None
-            if not 200 <= status < 300:
-                error = f"HTTP {status}: {collector.raw_text(500)}" if not streaming else f"HTTP {status}"
-            pending.finish(status_code=status, assembled=result, error=error, stream=streaming, policy_version=pv)
+            pending.finish(status_code=response.status_code, chunks=chunks, headers=response.headers)
 
-        return module.Response(status, headers=response.headers, stream=tee_cls(response.stream, collector, on_close),
-                               extensions=response.extensions)
-
-    def tee_or_pass(response: Any, pending: _Pending, tee_cls: type) -> Any:
         try:
-            return wrap_response(response, pending, tee_cls)
-        except Exception as exc:  # hand the caller the untouched response rather than fail its call
+            response.stream = tee_cls(response.stream, chunks, on_close)
+        except Exception as exc:  # hand back the untouched response rather than fail the call
             log.exception("could not tee a response; the call is recorded without its body")
-            pending.finish(status_code=response.status_code, assembled=None, error=f"recorder: {exc}",
-                           stream=False, policy_version=None)
-            return response
+            pending.finish(status_code=response.status_code, headers=response.headers, error=f"recorder: {exc}")
+        return response
 
-    def should_retry_plain(pending: _Pending, response: Any) -> bool:
-        return pending.injected and response.status_code == 400
-
-    def note_rejected(settings: CaptureSettings, host: str) -> None:
-        settings.no_inject_hosts.add(host)
+    def rejected_injection(pending: _Pending, request: Any, response: Any) -> bool:
+        """A 400 to a request we changed: resend it as the caller wrote it, and stop changing that host's."""
+        if not (pending.injected and response.status_code == 400):
+            return False
+        host = request.url.host
+        pending.settings.no_inject_hosts.add(host)
         _warn_once(f"reject:{host}", "%s rejected return_token_ids/logprobs (not vLLM?); sending requests "
                    "to it unchanged from now on, without token IDs", host)
+        pending.injected = False
+        set_body(request, pending.body)
+        return True
 
     class RecordingTransport(module.BaseTransport):  # type: ignore[name-defined,misc]
         def __init__(self, inner: Any, settings: CaptureSettings) -> None:
@@ -301,27 +335,26 @@ def transport_classes(module: types.ModuleType) -> tuple[type, type]:
             self.settings = settings
 
         def handle_request(self, request: Any) -> Any:
+            pending = None
             try:
-                body = request.read()
-                pending, new_body = _begin(self.settings, request, body)
+                pending, new_body = _begin(self.settings, request, request.read())
+                if pending is not None:
+                    prepare(request, new_body)
+                else:
+                    strip_routing_headers(request)
             except Exception:
                 log.exception("capture failed before sending; forwarding unrecorded")
-                pending, new_body = None, None
             if pending is None:
-                return self.inner.handle_request(rebuild(request, body, False) if _strip_only(request) else request)
-            outgoing = rebuild(request, new_body if new_body is not None else body, new_body is not None)
+                return self.inner.handle_request(request)
             try:
-                response = self.inner.handle_request(outgoing)
-                if should_retry_plain(pending, response):
+                response = self.inner.handle_request(request)
+                if rejected_injection(pending, request, response):
                     response.close()
-                    note_rejected(self.settings, request.url.host)
-                    pending.injected = False
-                    response = self.inner.handle_request(rebuild(request, body, False))
+                    response = self.inner.handle_request(request)
             except Exception as exc:
-                pending.finish(status_code=None, assembled=None, error=f"{type(exc).__name__}: {exc}",
-                               stream=False, policy_version=None)
+                pending.finish(error=f"{type(exc).__name__}: {exc}")
                 raise
-            return tee_or_pass(response, pending, TeeStream)
+            return tee(response, pending, TeeStream)
 
         def close(self) -> None:
             self.inner.close()
@@ -332,28 +365,26 @@ def transport_classes(module: types.ModuleType) -> tuple[type, type]:
             self.settings = settings
 
         async def handle_async_request(self, request: Any) -> Any:
+            pending = None
             try:
-                body = await request.aread()
-                pending, new_body = _begin(self.settings, request, body)
+                pending, new_body = _begin(self.settings, request, await request.aread())
+                if pending is not None:
+                    prepare(request, new_body)
+                else:
+                    strip_routing_headers(request)
             except Exception:
                 log.exception("capture failed before sending; forwarding unrecorded")
-                pending, new_body = None, None
             if pending is None:
-                req = rebuild(request, body, False) if _strip_only(request) else request
-                return await self.inner.handle_async_request(req)
-            outgoing = rebuild(request, new_body if new_body is not None else body, new_body is not None)
+                return await self.inner.handle_async_request(request)
             try:
-                response = await self.inner.handle_async_request(outgoing)
-                if should_retry_plain(pending, response):
+                response = await self.inner.handle_async_request(request)
+                if rejected_injection(pending, request, response):
                     await response.aclose()
-                    note_rejected(self.settings, request.url.host)
-                    pending.injected = False
-                    response = await self.inner.handle_async_request(rebuild(request, body, False))
+                    response = await self.inner.handle_async_request(request)
             except BaseException as exc:  # CancelledError too: the attempt is recorded as failed
-                pending.finish(status_code=None, assembled=None, error=f"{type(exc).__name__}: {exc}",
-                               stream=False, policy_version=None)
+                pending.finish(error=f"{type(exc).__name__}: {exc}")
                 raise
-            return tee_or_pass(response, pending, AsyncTeeStream)
+            return tee(response, pending, AsyncTeeStream)
 
         async def aclose(self) -> None:
             await self.inner.aclose()
@@ -361,11 +392,11 @@ def transport_classes(module: types.ModuleType) -> tuple[type, type]:
     return RecordingTransport, AsyncRecordingTransport
 
 
-def _safe_feed(collector: BodyCollector, chunk: bytes) -> None:
-    try:
-        collector.feed(chunk)
-    except Exception:  # a parser bug must not cut the caller's stream
-        log.exception("could not parse a response chunk; the call will be recorded without it")
+def strip_routing_headers(request: Any) -> None:
+    """Our routing headers never leave the process."""
+    for name in _STRIP_HEADERS:
+        if name in request.headers:
+            del request.headers[name]
 
 
 # --------------------------------------------------------------------------

@@ -19,11 +19,10 @@ import itertools
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .records import Mode, Reward, Rollout, RolloutStatus
+from .records import Mode, Reward, Rollout, RolloutStatus, new_id
 from .store import TraceStore, get_store
 
 log = logging.getLogger(__name__)
@@ -136,7 +135,7 @@ class _RolloutScope:
     def __enter__(self) -> RolloutHandle:
         a = self._args
         store = get_store(a["store"])
-        state = RolloutState(a["rollout_id"] or uuid.uuid4().hex, a["task_id"], a["mode"], store,
+        state = RolloutState(a["rollout_id"] or new_id(), a["task_id"], a["mode"], store,
                              a["policy_version"])
         started = time.time()
         store.submit_rollout(Rollout(

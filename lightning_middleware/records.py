@@ -8,8 +8,20 @@ record can be hashed and shared between threads without copies going stale.
 from __future__ import annotations
 
 import enum
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def new_id() -> str:
+    """A 32-hex-digit id that sorts by creation time.
+
+    Time-ordered keys append at the right edge of the primary-key B-tree instead
+    of landing at random pages (as uuid4 does), which keeps bulk ingestion fast
+    on both SQLite and PostgreSQL.
+    """
+    return f"{time.time_ns():016x}{os.urandom(8).hex()}"
 
 
 class RolloutStatus(str, enum.Enum):

@@ -8,6 +8,7 @@ direct methods, each its own short transaction.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -90,8 +91,38 @@ def _is_transient(exc: BaseException) -> bool:
 # Row <-> record
 # --------------------------------------------------------------------------
 
-def _call_row(call: LLMCall) -> dict[str, Any]:
-    return {
+_CALL_COLUMNS = tuple(c.name for c in S.llm_calls.columns)
+_JSON_COLUMNS = {"request", "response"}
+_INSERT_CALLS_QMARK = f"INSERT INTO llm_calls ({', '.join(_CALL_COLUMNS)}) VALUES ({', '.join('?' * len(_CALL_COLUMNS))})"
+_COPY_CALLS = f"COPY llm_calls ({', '.join(_CALL_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
+
+
+def _pg_type(column: sa.Column) -> str:
+    """The PostgreSQL type name of a column, for binary COPY (which needs exact types)."""
+    t = column.type
+    # JSON columns get our pre-serialised text: json's binary input *is* its text.
+    if isinstance(t, sa.LargeBinary):
+        return "bytea"
+    if isinstance(t, sa.Boolean):
+        return "bool"
+    if isinstance(t, sa.Integer):
+        return "int4"
+    if isinstance(t, sa.Float):
+        return "float8"
+    return "text"
+
+
+_CALL_PG_TYPES = [_pg_type(c) for c in S.llm_calls.columns]
+
+
+def _json_text(value: Any) -> str | None:
+    # default=str: a value JSON can't express is stored as its text, never rejected.
+    return None if value is None else json.dumps(value, separators=(",", ":"), default=str)
+
+
+def _call_tuple(call: LLMCall) -> tuple[Any, ...]:
+    """One llm_calls row in _CALL_COLUMNS order, ready for the driver."""
+    values = {
         "id": call.id,
         "rollout_id": call.rollout_id,
         "call_index": call.call_index,
@@ -99,22 +130,23 @@ def _call_row(call: LLMCall) -> dict[str, Any]:
         "endpoint": call.endpoint,
         "model": call.model,
         "agent_name": call.agent_name,
-        "request": call.request,
-        "response": call.response,
+        "request": _json_text(call.request),
+        "response": _json_text(call.response),
         "prompt_token_ids": pack_ints(call.prompt_token_ids) if call.prompt_token_ids else None,
         "completion_token_ids": pack_ints(call.completion_token_ids) if call.completion_token_ids else None,
         "logprobs": pack_floats(call.logprobs),
         "finish_reason": call.finish_reason,
         "status_code": call.status_code,
-        "stream": call.stream,
-        "partial": call.partial,
-        "is_training": call.is_training,
+        "stream": bool(call.stream),
+        "partial": bool(call.partial),
+        "is_training": bool(call.is_training),
         "error": call.error,
         "latency_s": call.latency_s,
         "started_at": call.started_at,
         "policy_version": call.policy_version,
         "request_hash": call.request_hash,
     }
+    return tuple(values[c] for c in _CALL_COLUMNS)
 
 
 def _call_record(row: sa.Row) -> LLMCall:
@@ -168,6 +200,14 @@ def _rollout_record(row: sa.Row) -> Rollout:
     m = dict(row._mapping)
     m["metadata"] = m["metadata"] or {}
     return Rollout(**m)
+
+
+def _reward_row(reward: Reward) -> dict[str, Any]:
+    return {
+        "rollout_id": reward.rollout_id, "value": float(reward.value), "name": reward.name,
+        "final": bool(reward.final), "created_at": reward.created_at or time.time(),
+        "metadata": reward.metadata or None,
+    }
 
 
 def _reward_record(row: sa.Row) -> Reward:
@@ -252,14 +292,16 @@ class TraceStore:
                     )
         return self._writer
 
+    # Producers hand over records as they are; turning them into rows happens on
+    # the writer thread, so an agent's call pays only for an append.
     def submit_rollout(self, rollout: Rollout) -> None:
-        self.writer.submit("rollout", _rollout_row(rollout))
+        self.writer.submit("rollout", rollout)
 
     def submit_call(self, call: LLMCall) -> None:
-        self.writer.submit("call", _call_row(call))
+        self.writer.submit("call", call)
 
     def submit_reward(self, reward: Reward) -> None:
-        self.writer.submit("reward", _reward_payload(reward))
+        self.writer.submit("reward", reward)
 
     def submit_rollout_end(self, rollout_id: str, *, status: str, ended_at: float, duration_s: float | None,
                            error: str | None) -> None:
@@ -287,27 +329,46 @@ class TraceStore:
         doing all inserts of the batch before its updates keeps every update
         after the insert it refers to.
         """
-        inserts: dict[str, list[dict[str, Any]]] = {"rollout": [], "call": [], "reward": []}
-        updates: list[Op] = []
-        for kind, payload in ops:
-            if kind in inserts:
-                inserts[kind].append(payload["row"] if kind == "reward" else payload)
-            if kind == "rollout_end" or (kind == "reward" and payload["row"]["final"]):
-                updates.append((kind, payload))
+        rollout_rows, calls, reward_rows = [], [], []
+        updates: list[tuple[str, dict[str, Any]]] = []
+        for kind, item in ops:
+            if kind == "call":  # a record, or a captured call still to be parsed (capture._DeferredCall)
+                calls.append(item if isinstance(item, LLMCall) else item.build())
+            elif kind == "rollout":
+                rollout_rows.append(_rollout_row(item))
+            elif kind == "reward":
+                reward_rows.append(_reward_row(item))
+                if item.final:
+                    updates.append((item.rollout_id, {"final_reward": float(item.value)}))
+            elif kind == "rollout_end":
+                updates.append((item["id"], {k: v for k, v in item.items() if k != "id"}))
+            else:
+                raise ValueError(f"unknown store operation {kind!r}")
         with self.engine.begin() as conn:
-            if inserts["rollout"]:
-                conn.execute(sa.insert(S.rollouts), inserts["rollout"])
-            if inserts["call"]:
-                conn.execute(sa.insert(S.llm_calls), inserts["call"])
-            if inserts["reward"]:
-                conn.execute(sa.insert(S.rewards), inserts["reward"])
-            for kind, payload in updates:
-                if kind == "rollout_end":
-                    rid = payload["id"]
-                    values = {k: v for k, v in payload.items() if k != "id"}
-                else:
-                    rid, values = payload["row"]["rollout_id"], {"final_reward": payload["row"]["value"]}
+            if rollout_rows:
+                conn.execute(sa.insert(S.rollouts), rollout_rows)
+            if calls:
+                self._insert_calls(conn, calls)
+            if reward_rows:
+                conn.execute(sa.insert(S.rewards), reward_rows)
+            for rid, values in updates:
                 conn.execute(sa.update(S.rollouts).where(S.rollouts.c.id == rid).values(**values))
+
+    def _insert_calls(self, conn: sa.Connection, calls: Sequence[LLMCall]) -> None:
+        """The hot path of ingestion: driver-level bulk insert (COPY on PostgreSQL).
+
+        JSON columns are serialised once here; SQLAlchemy's JSON type reads them
+        back on both engines.
+        """
+        rows = [_call_tuple(c) for c in calls]
+        if self.dialect == "postgresql":
+            raw = conn.connection.driver_connection
+            with raw.cursor() as cur, cur.copy(_COPY_CALLS) as copy:
+                copy.set_types(_CALL_PG_TYPES)
+                for row in rows:
+                    copy.write_row(row)
+        else:
+            conn.exec_driver_sql(_INSERT_CALLS_QMARK, rows)
 
     # -- direct writes (gateway, trainer, tests) -----------------------------
     def create_rollout(self, rollout: Rollout) -> tuple[Rollout, bool]:
@@ -327,11 +388,10 @@ class TraceStore:
         return stored, True
 
     def record_call(self, call: LLMCall) -> None:
-        with self.engine.begin() as conn:
-            conn.execute(sa.insert(S.llm_calls), [_call_row(call)])
+        self._apply_ops([("call", call)])
 
     def add_reward(self, reward: Reward) -> None:
-        self._apply_ops([("reward", _reward_payload(reward))])
+        self._apply_ops([("reward", reward)])
 
     def finish_rollout(self, rollout_id: str, *, status: str = RolloutStatus.SUCCEEDED.value,
                        error: str | None = None, ended_at: float | None = None) -> Rollout:
@@ -500,14 +560,6 @@ class TraceStore:
         t = S.metadata.tables[table]
         with self.engine.connect() as conn:
             return int(conn.execute(sa.select(sa.func.count()).select_from(t)).scalar() or 0)
-
-
-def _reward_payload(reward: Reward) -> dict[str, Any]:
-    return {"row": {
-        "rollout_id": reward.rollout_id, "value": float(reward.value), "name": reward.name,
-        "final": bool(reward.final), "created_at": reward.created_at or time.time(),
-        "metadata": reward.metadata or None,
-    }}
 
 
 # --------------------------------------------------------------------------

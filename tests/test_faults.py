@@ -7,7 +7,7 @@ import time
 import openai
 import pytest
 
-from lightning_middleware import TraceStore, rollout, wrap
+from lightning_middleware import LLMCall, TraceStore, rollout, wrap
 from lightning_middleware.testing import LLMTestServer, PostgresTestServer
 
 
@@ -44,7 +44,8 @@ def test_full_buffer_drops_are_counted_not_silent(tmp_path, caplog) -> None:
     blocker = store.engine.raw_connection()
     blocker.execute("BEGIN EXCLUSIVE")
     try:
-        accepted = [store.writer.submit("call", {"id": str(i)}) for i in range(10)]
+        accepted = [store.writer.submit("call", LLMCall(id=str(i), rollout_id="r", call_index=i, started_at=1.0))
+                    for i in range(10)]
     finally:
         blocker.rollback()
         blocker.close()
