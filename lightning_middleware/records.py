@@ -108,6 +108,7 @@ class Reward:
 class PolicyVersion:
     version: int
     path: str | None = None
+    trainer_id: str | None = None
     checksum: str | None = None
     created_at: float = 0.0
     metadata: dict[str, Any] = field(default_factory=dict)

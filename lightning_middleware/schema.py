@@ -76,11 +76,15 @@ rewards = sa.Table(
 policy_versions = sa.Table(
     "policy_versions",
     metadata,
-    sa.Column("version", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("version", sa.Integer, nullable=False),
+    # Which trainer's lineage: two trainers on one store each number their own versions.
+    sa.Column("trainer_id", sa.String(128), nullable=True),
     sa.Column("path", sa.Text, nullable=True),
     sa.Column("checksum", sa.String(128), nullable=True),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("metadata", sa.JSON, nullable=True),
+    sa.UniqueConstraint("trainer_id", "version", name="uq_policy_versions_lineage"),
 )
 
 train_steps = sa.Table(

