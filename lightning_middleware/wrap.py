@@ -51,6 +51,12 @@ def wrap(client: T, *, store: TraceStore | str | None = None, record_unattached:
     The store is opened here, so a bad store URL fails now, not inside an LLM call.
     """
     targets = http_clients_of(client)
+    # Adapters of frameworks already imported add their process-wide hooks (agent
+    # names, rebuilt objects): also needed when a plain openai client is wrapped and
+    # then handed to a framework (Agents SDK `set_default_openai_client`).
+    from adapters import prepare
+
+    prepare()
     if not targets:
         raise TypeError(f"found no HTTP client to record in {type(client).__qualname__}")
     for http_client in targets:
