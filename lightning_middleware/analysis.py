@@ -282,13 +282,17 @@ def latency_summary(calls: pd.DataFrame, *, by: str | list[str] | None = None) -
     `by`: e.g. "model" or "agent_name"; None gives one row ("all").
     """
     pd = _pd()
-    df = calls[calls["ok"] & calls["latency_s"].notna()]
-    def agg(s: pd.Series) -> pd.Series:
-        return pd.Series({"n": int(s.size), "mean": s.mean(), "p50": s.quantile(0.5), "p90": s.quantile(0.9),
-                          "p99": s.quantile(0.99), "max": s.max()})
+    df = calls[calls["ok"] & calls["latency_s"].notna()].copy()
     if by is None:
-        return pd.DataFrame({"all": agg(df["latency_s"])}).T
-    return df.groupby(by, dropna=False)["latency_s"].apply(agg).unstack()
+        df["_all"] = "all"
+        by = "_all"
+    g = df.groupby(by, dropna=False)["latency_s"]
+    out = pd.DataFrame({"n": g.size(), "mean": g.mean(), "p50": g.quantile(0.5), "p90": g.quantile(0.9),
+                        "p99": g.quantile(0.99), "max": g.max()})
+    if by == "_all":
+        out = out.reindex(["all"]).rename_axis(None)
+    out["n"] = out["n"].fillna(0).astype("int64")
+    return out
 
 
 def retries(calls: pd.DataFrame) -> pd.DataFrame:
@@ -309,7 +313,12 @@ def retries(calls: pd.DataFrame) -> pd.DataFrame:
 
 def per_agent(calls: pd.DataFrame, rollouts: pd.DataFrame) -> pd.DataFrame:
     """Per agent name ("(none)" when unnamed): calls, rollouts, tokens, latency, reward of its rollouts."""
+    pd = _pd()
     df = calls[calls["rollout_id"].notna()].copy()
+    if df.empty:
+        return pd.DataFrame(columns=["n_attempts", "n_rollouts", "mean_latency_s", "n_training_calls",
+                                     "prompt_tokens", "completion_tokens", "mean_reward", "success_rate"]
+                            ).rename_axis("agent")
     df["agent"] = df["agent_name"].fillna("(none)")
     rewards = rollouts.set_index("rollout_id")["final_reward"]
     success = rollouts.set_index("rollout_id")["success"]
