@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import html as _html
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ import sqlalchemy as sa
 
 from . import schema as S
 from .records import LLMCall, Rollout
-from .store import TraceStore, get_store
+from .store import StoreError, TraceStore, default_store_url
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -58,10 +59,23 @@ _TOKEN_BYTES = 4  # token IDs are packed int32 (see _codec)
 
 
 def open_store(store: TraceStore | str | None = None) -> TraceStore:
-    """A TraceStore from an instance, a URL, or None (env LIGHTNING_STORE_URL / ./lightning_traces.db)."""
+    """A TraceStore from an instance, a URL, or None (env LIGHTNING_STORE_URL / ./lightning_traces.db).
+
+    A URL is opened read-only in spirit: nothing is created. A SQLite file that does not
+    exist, or a database without the trace tables, raises StoreError saying so.
+    """
     if isinstance(store, TraceStore):
         return store
-    return TraceStore(store, create=False) if store else get_store(None)
+    url = store or default_store_url()
+    parsed = sa.make_url(url) if "://" in url else None
+    if parsed is not None and parsed.drivername.startswith("sqlite") and parsed.database not in (None, "", ":memory:"):
+        if not os.path.exists(parsed.database):
+            raise StoreError(f"no trace store at {url}: file {parsed.database!r} does not exist")
+    st = TraceStore(url, create=False)
+    if not sa.inspect(st.engine).has_table(S.rollouts.name):
+        st.close()
+        raise StoreError(f"{st.safe_url} has no trace tables (not a lightning-middleware store?)")
+    return st
 
 
 def _pd() -> Any:

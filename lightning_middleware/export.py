@@ -261,7 +261,9 @@ def export_dataset(store: TraceStore | str | None, out: str, *, kind: str = "sft
     if not os.path.isdir(parent):
         raise ExportError(f"directory {parent} does not exist")
     flt = filter or ExportFilter()
-    st = store if isinstance(store, TraceStore) else TraceStore(store, create=False)
+    from .analysis import open_store
+
+    st = open_store(store)
     if kind == "sft":
         records = list(sft_records(st, flt, max_len=max_len))
         rollouts = len({r["rollout_id"] for r in records})

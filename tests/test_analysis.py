@@ -115,3 +115,16 @@ def test_empty_store(store: TraceStore) -> None:
     assert ro.empty and "success" in ro and "n_turns" in ro
     assert A.load_calls(store).empty and A.load_train_steps(store).empty
     assert A.row_stats(store).empty and A.prefix_break_rate(A.row_stats(store)) == 0.0
+
+
+def test_open_store_errors(tmp_path) -> None:
+    from lightning_middleware import StoreError
+
+    with pytest.raises(StoreError, match="does not exist"):
+        A.open_store(f"sqlite:///{tmp_path / 'missing.db'}")
+    assert not (tmp_path / "missing.db").exists()
+    import sqlite3
+
+    sqlite3.connect(tmp_path / "other.db").execute("create table x (y int)").connection.commit()
+    with pytest.raises(StoreError, match="no trace tables"):
+        A.open_store(f"sqlite:///{tmp_path / 'other.db'}")
