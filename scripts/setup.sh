@@ -26,7 +26,9 @@ want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   log "installing the project and its extras into .venv (first time: several minutes)"
   .venv/bin/python -m pip install -q --upgrade pip
-  # torch==2.13.0 resolves to the CPU wheel on this machine kind (see README).
+  # torch first, pinned: the CPU wheel on this machine kind. Left to the resolver, a dependency
+  # (tensordict, via verl) would pull the newest CUDA build.
+  .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q -e ".[all,verl]"
   echo "$want" > "$stamp"
 fi
