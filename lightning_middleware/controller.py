@@ -660,7 +660,9 @@ def load_tasks(tasks: Any, *, task_id_key: str = "task_id") -> list[tuple[str, d
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             row = dict(row)
-        tid = row.get(task_id_key, row.get("id"))
+        tid = row.get(task_id_key)
+        if tid is None:
+            tid = row.get("id")
         tid = f"task-{i}" if tid is None else str(tid)
         if tid in seen:
             raise ValueError(f"duplicate task id {tid!r}: task ids name GRPO groups and must be unique")
