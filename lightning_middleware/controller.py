@@ -373,6 +373,7 @@ class ThreadBackend:
 def _process_worker_main(conn: Any, agent_ref: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the controller, which closes us
     agent = resolve_agent(agent_ref)
+    conn.send("ready")  # imports done: the parent starts the job's clock only now
     while True:
         try:
             job = conn.recv()
@@ -388,14 +389,21 @@ def _process_worker_main(conn: Any, agent_ref: Any) -> None:
 
 
 class _Proc:
-    def __init__(self, ctx: Any, agent_ref: Any) -> None:
+    def __init__(self, ctx: Any, agent_ref: Any, startup_timeout_s: float = 120.0) -> None:
         parent, child = ctx.Pipe(duplex=True)
         self.conn = parent
         self.proc = ctx.Process(target=_process_worker_main, args=(child, agent_ref), daemon=True,
                                 name="lightning-rollout-worker")
         self.proc.start()
         child.close()
-        self.busy_with: str | None = None
+        # Wait for the worker's imports, so its start-up never eats a rollout's timeout.
+        try:
+            ok = parent.poll(startup_timeout_s) and parent.recv() == "ready"
+        except (EOFError, OSError):
+            ok = False
+        if not ok:
+            self.kill()
+            raise WorkerLost(f"worker process {self.proc.pid} did not start within {startup_timeout_s:g}s")
 
     @property
     def pid(self) -> int | None:
@@ -447,9 +455,10 @@ class ProcessBackend:
                 if p.proc.is_alive():
                     return p
                 self._drop(p)
-            p = _Proc(self._ctx, self._agent_ref)
+        p = _Proc(self._ctx, self._agent_ref)  # outside the lock: workers start in parallel
+        with self._lock:
             self._procs.append(p)
-            return p
+        return p
 
     def _drop(self, p: _Proc) -> None:
         if p in self._procs:
