@@ -730,6 +730,8 @@ class RolloutController:
         self._started = False
         self._sessions = 0
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------
     def _start_backend(self) -> None:
@@ -742,6 +744,11 @@ class RolloutController:
         """Stop the backend (worker processes, Ray actors). The controller can't be reused after."""
         self.backend.close()
         self._started = False
+        if self._loop is not None and self._loop_lock.acquire(blocking=False):
+            try:
+                self._loop.close()
+            finally:
+                self._loop_lock.release()
 
     def __enter__(self) -> "RolloutController":
         return self
@@ -950,7 +957,20 @@ class RolloutController:
             metadata: dict[str, Any] | None = None) -> list[RolloutResult]:
         """Blocking `arun` (not from inside a running event loop: use `await arun(...)` there)."""
         _no_running_loop("run")
-        return asyncio.run(self.arun(tasks, n=n, mode=mode, metadata=metadata))
+        return self.run_sync(self.arun(tasks, n=n, mode=mode, metadata=metadata))
+
+    def run_sync(self, coro: Awaitable[Any]) -> Any:
+        """Run a coroutine on the controller's own event loop, kept across calls so async
+        clients an agent caches stay usable; if that loop is busy (continuous mode in
+        another thread), on a fresh one."""
+        if self._loop_lock.acquire(blocking=False):
+            try:
+                if self._loop is None or self._loop.is_closed():
+                    self._loop = asyncio.new_event_loop()
+                return self._loop.run_until_complete(coro)
+            finally:
+                self._loop_lock.release()
+        return asyncio.run(coro)  # type: ignore[arg-type]
 
     # -- continuous mode ---------------------------------------------------------
     async def arun_continuous(self, tasks: Any, *, n: int, groups_in_flight: int = 4, max_groups: int | None = None,
@@ -999,7 +1019,7 @@ class RolloutController:
 
     def run_continuous(self, tasks: Any, **kwargs: Any) -> ControllerStats:
         _no_running_loop("run_continuous")
-        return asyncio.run(self.arun_continuous(tasks, **kwargs))
+        return self.run_sync(self.arun_continuous(tasks, **kwargs))
 
     def start_continuous(self, tasks: Any, **kwargs: Any) -> threading.Thread:
         """`run_continuous` in a background thread; end it with `stop()` then `thread.join()`.

@@ -231,7 +231,7 @@ class Evaluator:
         from .controller import _no_running_loop
 
         _no_running_loop("evaluate")
-        return asyncio.run(self.aevaluate(step=step))
+        return self.controller.run_sync(self.aevaluate(step=step))
 
     async def aevaluate(self, step: int | None = None) -> EvalResult:
         results = await self.controller.arun(self.tasks, n=self.n, mode=Mode.VAL.value,

@@ -21,12 +21,13 @@ from lightning_middleware.context import current_rollout
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look a fact up",
                                            "parameters": {"type": "object",
                                                           "properties": {"query": {"type": "string"}}}}}]
-_clients: dict[tuple[str, str, bool], Any] = {}
+_clients: dict[tuple[str, str, int], Any] = {}
 _lock = threading.Lock()
 
 
 def _client(task: dict[str, Any], is_async: bool) -> Any:
-    key = (task["base_url"], task["store"], is_async)
+    # An async client's connections belong to one event loop: one client per loop.
+    key = (task["base_url"], task["store"], id(asyncio.get_running_loop()) if is_async else 0)
     with _lock:
         if key not in _clients:
             cls = openai.AsyncOpenAI if is_async else openai.OpenAI
