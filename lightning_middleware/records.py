@@ -122,3 +122,16 @@ class TrainStep:
     metrics: dict[str, Any] = field(default_factory=dict)
     rollout_ids: tuple[str, ...] = ()
     trainer_id: str | None = None
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One evaluation of a held-out task set (see evaluation.py for the metrics)."""
+
+    name: str = "val"
+    step: int | None = None
+    policy_version: int | None = None
+    created_at: float = 0.0
+    metrics: dict[str, Any] = field(default_factory=dict)
+    rollout_ids: tuple[str, ...] = ()
+    id: int | None = None

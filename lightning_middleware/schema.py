@@ -99,6 +99,31 @@ train_steps = sa.Table(
     sa.Column("rollout_ids", sa.JSON, nullable=True),
 )
 
+# Rollout controller (controller.py): a lease per rollout a controller is running.
+# The controller refreshes heartbeat_at while the rollout runs; `reap_stale` marks
+# running rollouts whose heartbeat stopped (controller or worker lost) as failed.
+# A separate table (not a column) so existing stores gain it via create_all.
+rollout_leases = sa.Table(
+    "rollout_leases",
+    metadata,
+    sa.Column("rollout_id", sa.String(64), primary_key=True),
+    sa.Column("owner", sa.String(255), nullable=True),
+    sa.Column("heartbeat_at", sa.Float, nullable=False, index=True),
+)
+
+# Evaluation (evaluation.py): one row per evaluation of a held-out task set.
+eval_results = sa.Table(
+    "eval_results",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("name", sa.String(128), nullable=False, server_default="val", index=True),
+    sa.Column("step", sa.Integer, nullable=True),
+    sa.Column("policy_version", sa.Integer, nullable=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("metrics", sa.JSON, nullable=True),
+    sa.Column("rollout_ids", sa.JSON, nullable=True),
+)
+
 schema_info = sa.Table(
     "schema_info",
     metadata,

@@ -22,7 +22,7 @@ from sqlalchemy.pool import StaticPool
 
 from . import schema as S
 from ._codec import pack_floats, pack_ints, unpack_floats, unpack_ints
-from .records import LLMCall, PolicyVersion, Reward, Rollout, RolloutStatus, TrainStep
+from .records import EvalResult, LLMCall, PolicyVersion, Reward, Rollout, RolloutStatus, TrainStep
 from .writer import BatchWriter, Op, WriterStats
 
 log = logging.getLogger(__name__)
@@ -592,6 +592,102 @@ class TraceStore:
             return [TrainStep(step=r.step, policy_version=r.policy_version, created_at=r.created_at,
                               metrics=r.metrics or {}, rollout_ids=tuple(r.rollout_ids or ()),
                               trainer_id=r.trainer_id) for r in conn.execute(q)]
+
+    # -- leases (rollout controller) -----------------------------------------
+    def heartbeat(self, rollout_ids: Iterable[str], *, owner: str | None = None, at: float | None = None) -> None:
+        """Create or refresh the leases of running rollouts (one transaction)."""
+        ids = list(rollout_ids)
+        if not ids:
+            return
+        now = at if at is not None else time.time()
+        t = S.rollout_leases
+        with self.engine.begin() as conn:
+            have = set(conn.execute(sa.select(t.c.rollout_id).where(t.c.rollout_id.in_(ids))).scalars())
+            if have:
+                conn.execute(sa.update(t).where(t.c.rollout_id.in_(list(have))).values(heartbeat_at=now))
+            new = [{"rollout_id": rid, "owner": owner, "heartbeat_at": now} for rid in ids if rid not in have]
+            if new:
+                conn.execute(sa.insert(t), new)
+
+    def release_leases(self, rollout_ids: Iterable[str]) -> None:
+        ids = list(rollout_ids)
+        if ids:
+            with self.engine.begin() as conn:
+                conn.execute(sa.delete(S.rollout_leases).where(S.rollout_leases.c.rollout_id.in_(ids)))
+
+    def end_rollout_if_running(self, rollout: Rollout, *, status: str, error: str | None,
+                               ended_at: float | None = None) -> bool:
+        """End `rollout.id` with `status` unless it already ended; True if this call ended it.
+
+        If the rollout row never reached the store (its process died before the
+        writer flushed), it is inserted from `rollout`, already ended.
+        """
+        ended = ended_at or time.time()
+        c = S.rollouts.c
+        with self.engine.begin() as conn:
+            created = conn.execute(sa.select(c.created_at).where(c.id == rollout.id)).scalar()
+            if created is None:
+                row = _rollout_row(rollout)
+                row.update(status=status, error=error, ended_at=ended,
+                           duration_s=max(0.0, ended - (rollout.created_at or ended)))
+                conn.execute(sa.insert(S.rollouts), [row])
+                return True
+            res = conn.execute(sa.update(S.rollouts).where(
+                c.id == rollout.id, c.status == RolloutStatus.RUNNING.value).values(
+                status=status, error=error, ended_at=ended, duration_s=max(0.0, ended - created)))
+            return res.rowcount == 1
+
+    def reap_stale(self, older_than_s: float, *, include_unleased: bool = False,
+                   now: float | None = None) -> list[str]:
+        """Mark running rollouts whose lease heartbeat is older than `older_than_s` as failed.
+
+        With `include_unleased`, running rollouts that never had a lease (opened
+        with `rollout()` outside a controller) and were created before the cutoff
+        are failed too. Returns the ids it ended; their leases are dropped.
+        """
+        now = now if now is not None else time.time()
+        cutoff = now - older_than_s
+        r, l = S.rollouts.c, S.rollout_leases.c
+        with self.engine.begin() as conn:
+            stale = set(conn.execute(
+                sa.select(r.id).join(S.rollout_leases, l.rollout_id == r.id)
+                .where(r.status == RolloutStatus.RUNNING.value, l.heartbeat_at < cutoff)).scalars())
+            if include_unleased:
+                stale |= set(conn.execute(
+                    sa.select(r.id).outerjoin(S.rollout_leases, l.rollout_id == r.id)
+                    .where(r.status == RolloutStatus.RUNNING.value, l.rollout_id.is_(None),
+                           r.created_at < cutoff)).scalars())
+            ended: list[str] = []
+            for rid in sorted(stale):
+                res = conn.execute(sa.update(S.rollouts).where(
+                    r.id == rid, r.status == RolloutStatus.RUNNING.value).values(
+                    status=RolloutStatus.FAILED.value, ended_at=now,
+                    duration_s=sa.literal(now) - r.created_at,
+                    error=f"lease expired: no heartbeat for {older_than_s:g}s (controller or worker lost)"))
+                if res.rowcount == 1:
+                    ended.append(rid)
+            if stale:
+                conn.execute(sa.delete(S.rollout_leases).where(l.rollout_id.in_(list(stale))))
+        return ended
+
+    # -- evaluation results ---------------------------------------------------
+    def add_eval_result(self, result: EvalResult) -> int:
+        with self.engine.begin() as conn:
+            res = conn.execute(sa.insert(S.eval_results).values(
+                name=result.name, step=result.step, policy_version=result.policy_version,
+                created_at=result.created_at or time.time(), metrics=result.metrics or None,
+                rollout_ids=list(result.rollout_ids)))
+            return int(res.inserted_primary_key[0])
+
+    def eval_results(self, name: str | None = None) -> list[EvalResult]:
+        """Evaluation records, oldest first (optionally only those named `name`)."""
+        q = sa.select(S.eval_results).order_by(S.eval_results.c.created_at, S.eval_results.c.id)
+        if name is not None:
+            q = q.where(S.eval_results.c.name == name)
+        with self.engine.connect() as conn:
+            return [EvalResult(id=r.id, name=r.name, step=r.step, policy_version=r.policy_version,
+                               created_at=r.created_at, metrics=r.metrics or {},
+                               rollout_ids=tuple(r.rollout_ids or ())) for r in conn.execute(q)]
 
     def count(self, table: str) -> int:
         t = S.metadata.tables[table]
