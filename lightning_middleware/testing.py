@@ -9,7 +9,8 @@ predict every token:
   chat template behaves: multi-turn rows merge.
 - If the request offers tools and no tool result came since the last user
   message, the reply calls the first tool (hermes `<tool_call>` text, parsed
-  into `tool_calls`). Otherwise it answers `echo: <last message>`.
+  into `tool_calls`). With a model name containing `multi-tool` it calls every
+  offered tool, one per turn, in order. Then it answers `echo: <last message>`.
 - Logprob of completion token i is `-(i % 7) / 10`.
 - Test hooks, as request headers: `x-test-fail-times: N` fails the first N
   attempts of an identical body with 500; `x-test-delay: S` sleeps S seconds
@@ -76,8 +77,11 @@ def _reply(body: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
         if m.get("role") == "user":
             break
         since_user.append(m)
-    if tools and not any(m.get("role") == "tool" for m in since_user):
-        fn = tools[0].get("function", tools[0])
+    results = sum(1 for m in since_user if m.get("role") == "tool")
+    # Default: call the first tool once. A model named "*multi-tool*": call every tool, in order.
+    wanted = len(tools) if "multi-tool" in str(body.get("model", "")) else min(1, len(tools))
+    if results < wanted:
+        fn = tools[results].get("function", tools[results])
         args = json.dumps({"query": _last_text(messages)[:40]})
         call = {"id": f"call_{hashlib.sha1(args.encode()).hexdigest()[:8]}", "type": "function",
                 "function": {"name": fn.get("name", "tool"), "arguments": args}}
