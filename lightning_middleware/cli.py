@@ -17,6 +17,7 @@ import sys
 COMMAND_MODULES = (
     "lightning_middleware.example",
     "lightning_middleware.inspect",
+    "lightning_middleware.gateway",
 )
 
 
