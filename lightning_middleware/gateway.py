@@ -884,7 +884,9 @@ class _StreamResponse:
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
+    # accepted sockets inherit it; with proto 0 every response waits out Nagle + delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host.strip("[]"), port))
     sock.set_inheritable(True)
@@ -1076,6 +1078,9 @@ def run_cli(args: argparse.Namespace) -> int:
     import uvicorn
 
     token = args.token or os.environ.get(TOKEN_ENV) or None
+    if not args.verbose:  # httpx logs every upstream request at INFO: noise, and a cost per call
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     try:
         gw = Gateway(args.upstream, args.store, host=args.host, port=args.port, token=token,
                      upstream_api_key=args.upstream_api_key or os.environ.get("LIGHTNING_UPSTREAM_API_KEY"),
