@@ -237,9 +237,10 @@ class Gateway:
         health_timeout_s: float = 2.0,
         retry_window_s: float = 30.0,
         idempotency_ttl_s: float = 3600.0,
-        max_cached_responses: int = 4096,
+        max_cached_responses: int = 1024,
         record_unattached: bool = True,
         policy_version: int | None = None,
+        client_shards: int = 8,
     ) -> None:
         if isinstance(upstreams, str):
             upstreams = [upstreams]
@@ -278,7 +279,10 @@ class Gateway:
         self._rollouts: dict[str, _RolloutEntry] = {}
         self._flights: OrderedDict[tuple[str, ...], _Flight] = OrderedDict()
         self._rr = itertools.count()
+        self._shard = itertools.count()
         self._client: Any = None
+        self._clients: list[Any] = []
+        self.client_shards = max(1, client_shards)
         self._health_client: Any = None
         self._health_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -318,12 +322,20 @@ class Gateway:
 
         self._events()
         if self._client is None:
-            inner = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
-            self._client = httpx.AsyncClient(
-                transport=_stamp_transport_class()(inner),
-                timeout=httpx.Timeout(self.upstream_timeout_s, connect=self.connect_timeout_s),
-            )
-            install(self._client, CaptureSettings(store=self.store, record_unattached=self.record_unattached))
+            # Several small clients rather than one big pool: httpcore's pool does work proportional
+            # to (queued requests x connections) on every request, which dominated at 32 concurrent.
+            settings = CaptureSettings(store=self.store, record_unattached=self.record_unattached)
+            self._clients = []
+            for _ in range(self.client_shards):
+                inner = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=256,
+                                                                     max_keepalive_connections=64))
+                client = httpx.AsyncClient(
+                    transport=_stamp_transport_class()(inner),
+                    timeout=httpx.Timeout(self.upstream_timeout_s, connect=self.connect_timeout_s),
+                )
+                install(client, settings)
+                self._clients.append(client)
+            self._client = self._clients[0]
             self._health_client = httpx.AsyncClient(timeout=self.health_timeout_s)
         if self._health_task is None and self.health_interval_s > 0:
             self._health_task = asyncio.create_task(self._health_loop())
@@ -334,10 +346,11 @@ class Gateway:
             with contextlib.suppress(BaseException):
                 await self._health_task
             self._health_task = None
-        for c in (self._client, self._health_client):
+        for c in [*self._clients, self._health_client]:
             if c is not None:
                 await c.aclose()
         self._client = self._health_client = None
+        self._clients = []
         await asyncio.to_thread(self.store.flush, 10.0)
 
     def start(self, timeout: float = 30.0) -> "Gateway":
@@ -578,16 +591,22 @@ class Gateway:
 
     # -- dedup ----------------------------------------------------------------
     def _evict(self) -> None:
+        """Drop expired or surplus cached responses from the oldest end; a few per call (amortised)."""
         now = time.monotonic()
-        while len(self._flights) > self.max_cached_responses:
+        for _ in range(8):
+            if not self._flights:
+                return
             key, fl = next(iter(self._flights.items()))
+            over = len(self._flights) > self.max_cached_responses
             if not fl.done.is_set():
-                self._flights.move_to_end(key)
-                break
-            self._flights.popitem(last=False)
-        for key in [k for k, f in itertools.islice(self._flights.items(), 64)
-                    if f.done.is_set() and now - f.finished_at > f.ttl]:
-            self._flights.pop(key, None)
+                if not over:
+                    return
+                self._flights.move_to_end(key)  # in flight: never dropped
+                continue
+            if over or now - fl.finished_at > fl.ttl:
+                self._flights.popitem(last=False)
+                continue
+            return
 
     # -- the proxied call -----------------------------------------------------
     async def proxy(self, request: Any, path: str, rollout_id: str | None) -> Any:
@@ -725,6 +744,7 @@ class Gateway:
         if auth:
             headers.append(("authorization", auth))
         tried: set[int] = set()
+        client = self._clients[next(self._shard) % len(self._clients)]
         token = _current.set(entry.state if entry is not None else None)
         try:
             while True:
@@ -735,12 +755,12 @@ class Gateway:
                         f"{u.url}: {u.last_error}" for u in self.upstreams if u.index in tried),
                         type="upstream_error", code="upstream_unreachable")
                 tried.add(up.index)
-                req = self._client.build_request(
+                req = client.build_request(
                     "POST", up.url + "/v1/" + path, content=raw, headers=headers,
                     extensions={_PV_EXT: version} if version is not None else None)
                 up.active += 1
                 try:
-                    response = await self._client.send(req, stream=True)
+                    response = await client.send(req, stream=True)
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                     # Nothing reached this replica: mark it down and try another (the attempt is recorded).
                     up.healthy, up.last_error, up.last_check = False, f"{type(exc).__name__}: {exc}", time.time()
@@ -1097,5 +1117,8 @@ def run_cli(args: argparse.Namespace) -> int:
              gw.store.safe_url, " (token required)" if token else "")
     server = uvicorn.Server(uvicorn.Config(gw.app, log_level="warning", access_log=False, lifespan="on",
                                            timeout_graceful_shutdown=10))
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises SIGINT after its graceful shutdown
+        pass
     return 0
