@@ -544,3 +544,24 @@ def test_rendezvous_is_stable_and_moves_only_lost_keys() -> None:
     assert all(after[k] == v for k, v in before.items() if v != 2)
     counts = [list(before.values()).count(i) for i in range(3)]
     assert min(counts) > 60 and not math.isnan(sum(counts))
+
+
+def test_upstream_client_errors_pass_through(gw_lite: Gateway, sqlite_store: TraceStore) -> None:
+    rid = _create(gw_lite)["id"]
+    r = httpx.post(gw_lite.rollout_base_url(rid) + "/chat/completions",
+                   json={"model": "m", "messages": MSGS, "bogus_field": 1}, headers={"x-test-strict": "1"})
+    assert r.status_code == 400 and "unknown fields" in r.json()["error"]["message"]  # vLLM's own 4xx, as sent
+    _finish(gw_lite, rid)
+    calls = sqlite_store.calls(rid)
+    assert calls and all(c.status_code == 400 and not c.is_training for c in calls)
+
+
+def test_replay_cache_is_bounded(llm_server: LLMTestServer, sqlite_store: TraceStore) -> None:
+    with Gateway([llm_server.base_url], sqlite_store, max_cached_responses=5) as gw:
+        rid = _create(gw)["id"]
+        for i in range(40):
+            r = httpx.post(gw.rollout_base_url(rid) + "/chat/completions",
+                           json={"model": "m", "messages": [{"role": "user", "content": f"n{i}"}]})
+            assert r.status_code == 200
+        assert len(gw._flights) <= 6
+        _finish(gw, rid)
