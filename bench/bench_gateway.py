@@ -42,6 +42,16 @@ def _pct(values: list[float], p: float) -> float:
     return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
 
 
+def _cpu_s(pid: int) -> float | None:
+    """User+system CPU seconds of a process so far (Linux), None elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _body(i: int, stream: bool, direct: bool) -> dict:
     body: dict = {"model": "m", "max_tokens": 32, "stream": stream,
                   "messages": [{"role": "system", "content": "be brief"},
@@ -134,13 +144,19 @@ def main() -> int:
             gw_urls = [f"{gw_url}/rollouts/{rid}/v1/chat/completions" for rid in rids]
             direct_urls = [server.base_url + "/chat/completions"]
             results: dict[tuple[str, bool, str], dict] = {}
+            cpu: dict[tuple[str, bool], tuple] = {}
             for stream in (False, True):
                 for name, urls, direct in (("direct", direct_urls, True), ("gateway", gw_urls, False)):
                     print(f"... {name} {'stream' if stream else 'non-stream'}", file=sys.stderr, flush=True)
+                    cpu0 = (_cpu_s(server._proc.pid), _cpu_s(gw.pid))  # type: ignore[union-attr]
                     results[(name, stream, "seq")] = asyncio.run(
                         _phase(urls, stream, direct, 1, args.seq, args.max_seconds))
                     results[(name, stream, "conc")] = asyncio.run(
                         _phase(urls, stream, direct, args.conc, args.conc_requests, args.max_seconds))
+                    cpu1 = (_cpu_s(server._proc.pid), _cpu_s(gw.pid))  # type: ignore[union-attr]
+                    n = results[(name, stream, "seq")]["n"] + results[(name, stream, "conc")]["n"] + args.conc + 1
+                    cpu[(name, stream)] = tuple(
+                        None if a is None or b is None else (b - a) * 1000 / n for a, b in zip(cpu0, cpu1))
             for rid in rids:
                 httpx.post(gw_url + f"/rollouts/{rid}/finish", json={"reward": 1.0}, timeout=60).raise_for_status()
             state = httpx.get(gw_url + "/admin/state").json()
@@ -175,6 +191,10 @@ def main() -> int:
             print(f"{mode:10s} {label:26s} {d:10.2f} {g:10.2f} {g - d:+10.2f} {g / d:6.2f}x")
         print(f"{mode:10s} {'req/s, ' + str(args.conc) + ' concurrent':26s} {d_c['rps']:10.1f} {g_c['rps']:10.1f} "
               f"{g_c['rps'] - d_c['rps']:+10.1f} {g_c['rps'] / d_c['rps']:6.2f}x")
+        (srv_d, _), (srv_g, gw_cpu) = cpu[("direct", stream)], cpu[("gateway", stream)]
+        if srv_d is not None and srv_g is not None and gw_cpu is not None:
+            print(f"{mode:10s} {'CPU ms/call (engine+gw)':26s} {srv_d:10.2f} {srv_g + gw_cpu:10.2f} "
+                  f"{srv_g + gw_cpu - srv_d:+10.2f} {(srv_g + gw_cpu) / srv_d:6.2f}x   (gateway process: {gw_cpu:.2f})")
         print(f"{mode:10s} {'calls measured (seq/conc)':26s} {d_seq['n']:>4d}/{d_c['n']:<5d} "
               f"{g_seq['n']:>4d}/{g_c['n']:<5d}")
     print(f"recorded llm_calls: {recorded} (training: {training}); gateway counters: {state['counters']}")
