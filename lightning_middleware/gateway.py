@@ -50,7 +50,7 @@ from typing import Any
 from .capture import CaptureSettings, install
 from .context import RolloutState, _current
 from .records import Mode, Reward, Rollout, RolloutStatus
-from .store import TraceStore, get_store
+from .store import StoreError, TraceStore, get_store
 
 log = logging.getLogger(__name__)
 
@@ -425,6 +425,13 @@ class Gateway:
         if loop is None or not loop.is_running():
             coro.close()
             raise RuntimeError("the gateway is not running")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            coro.close()
+            raise RuntimeError("called on the gateway's own event loop: await apause()/aresume() instead")
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
     def pause(self, *, wait: bool = True, timeout: float = 60.0, mode: str | None = None) -> dict[str, Any]:
@@ -654,7 +661,11 @@ class Gateway:
                     self._evict()
                     break
                 if not found.done.is_set():
-                    await found.done.wait()
+                    try:  # the first copy is still running: wait for its answer
+                        await asyncio.wait_for(found.done.wait(), self.upstream_timeout_s + self.pause_wait_s + 30)
+                    except asyncio.TimeoutError:
+                        raise _HTTPError(504, "an identical earlier request is still running upstream",
+                                         type="upstream_timeout", code="upstream_timeout") from None
                     continue
                 self.counters["replayed"] += 1
                 cached = found.result
@@ -691,7 +702,7 @@ class Gateway:
                     ok_result = _Cached(status, headers, body)
                 return Response(body, status_code=status, headers=_header_dict(headers))
             # A stream: take its first chunk before committing to 200, so a stalled upstream is a 504.
-            chunks = response.aiter_raw()
+            chunks = response.aiter_bytes()  # decoded: content-encoding is not passed on
             try:
                 first = await chunks.__anext__()
             except StopAsyncIteration:
@@ -922,6 +933,7 @@ def _build_starlette(gw: Gateway) -> Any:
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
+    from sqlalchemy import exc as sa_exc
 
     def check_auth(request: Request) -> None:
         if not gw.token:
@@ -942,6 +954,11 @@ def _build_starlette(gw: Gateway) -> Any:
             except _HTTPError as err:
                 return Response(err.body(), status_code=err.status, media_type="application/json",
                                 headers=err.headers)
+            except (StoreError, sa_exc.SQLAlchemyError) as exc:
+                log.warning("trace store error on %s %s: %s", request.method, request.url.path, exc)
+                err = _HTTPError(503, "the trace store is unavailable; retry later", type="store_unavailable",
+                                 code="store_unavailable", headers={"Retry-After": "5"})
+                return Response(err.body(), status_code=503, media_type="application/json", headers=err.headers)
             except Exception as exc:  # noqa: BLE001
                 log.exception("gateway error on %s %s", request.method, request.url.path)
                 err = _HTTPError(500, f"gateway error: {type(exc).__name__}", type="server_error")

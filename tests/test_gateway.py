@@ -565,3 +565,12 @@ def test_replay_cache_is_bounded(llm_server: LLMTestServer, sqlite_store: TraceS
             assert r.status_code == 200
         assert len(gw._flights) <= 6
         _finish(gw, rid)
+
+
+def test_store_outage_is_a_503(gw_lite: Gateway, sqlite_store: TraceStore, monkeypatch) -> None:
+    def down(*_a, **_k):
+        raise sa.exc.OperationalError("INSERT", {}, Exception("database is gone"))
+
+    monkeypatch.setattr(sqlite_store, "create_rollout", down)
+    r = httpx.post(gw_lite.url + "/rollouts", json={"task_id": "t"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable" and r.headers["retry-after"]
