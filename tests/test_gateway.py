@@ -444,6 +444,7 @@ def test_pause_during_a_stream_drains_it_and_versions_calls(gw: Gateway, store: 
     t = threading.Thread(target=stream)
     t.start()
     assert first_chunk.wait(10)
+    assert httpx.get(gw.url + "/admin/state").json()["in_flight"] == 1
     paused = gw.pause(wait=True, timeout=20)  # returns once the stream has finished
     assert paused["drained"] and paused["in_flight"] == 0 and paused["paused"]
     t.join(10)
@@ -461,6 +462,23 @@ def test_pause_during_a_stream_drains_it_and_versions_calls(gw: Gateway, store: 
     _finish(gw, rid)
     calls = store.calls(rid)
     assert [(c.stream, c.is_training, c.policy_version) for c in calls] == [(True, True, 1), (False, True, 2)]
+
+
+def test_new_version_applies_to_calls_started_after_it(gw: Gateway, store: TraceStore) -> None:
+    rid = _create(gw)["id"]
+    url = gw.rollout_base_url(rid) + "/chat/completions"
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "in flight across a version bump"}]}
+    with httpx.stream("POST", url, json=body, headers={"x-test-delay": "0.03"}, timeout=30) as r:
+        chunks = r.iter_raw()
+        next(chunks)
+        assert httpx.post(gw.url + "/admin/resume", json={"policy_version": 5}).json()["policy_version"] == 5
+        after = httpx.post(url, json={"model": "m", "messages": MSGS})
+        rest = b"".join(chunks)
+    assert r.headers["x-lightning-policy-version"] == "1" and rest.rstrip().endswith(b"[DONE]")
+    assert after.headers["x-lightning-policy-version"] == "5"
+    _finish(gw, rid)
+    calls = store.calls(rid)
+    assert sorted((c.stream, c.policy_version, c.is_training) for c in calls) == [(False, 5, True), (True, 1, True)]
 
 
 def test_pause_reject_mode_and_wait_bound(llm_server: LLMTestServer, sqlite_store: TraceStore) -> None:
