@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -170,6 +171,7 @@ def main() -> int:
     recorded = store.count("llm_calls")
     training = sum(len(v) for v in store.calls_for(rids, training_only=True).values())
     store.close()
+    shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"gateway benchmark: {os.cpu_count()} cores, loopback, Python {sys.version.split()[0]}, "
           f"SQLite store; sequential n={args.seq}, {args.conc} concurrent n<={args.conc_requests}, "
