@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "lightning_middleware.controller",
     "lightning_middleware.export",
     "trainer_backend.daemon",
+    "lightning_middleware.gateway",
 )
 
 
