@@ -127,12 +127,15 @@ def main() -> int:
     ap.add_argument("--conc", type=int, default=32, help="concurrent callers")
     ap.add_argument("--conc-requests", type=int, default=1000, help="calls per concurrent phase")
     ap.add_argument("--max-seconds", type=float, default=20.0, help="time cap per phase")
+    ap.add_argument("--engine-ms", type=float, default=0.0,
+                    help="time the test server takes per completion, as a real engine would (the reference "
+                         "anchor's upstream answered in ~15 ms); 0 = answer at once (gateway CPU-bound)")
     args = ap.parse_args()
 
     tmp = tempfile.mkdtemp(prefix="bench_gw_")
     store_url = f"sqlite:///{tmp}/traces.db"
     port = free_port()
-    with LLMTestServer() as server:
+    with LLMTestServer(latency_ms=args.engine_ms) as server:
         log_path = os.path.join(tmp, "gateway.log")
         gw = _start_gateway(server.base_url, store_url, port, log_path)
         try:
@@ -174,7 +177,8 @@ def main() -> int:
     shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"gateway benchmark: {os.cpu_count()} cores, loopback, Python {sys.version.split()[0]}, "
-          f"SQLite store; sequential n={args.seq}, {args.conc} concurrent n<={args.conc_requests}, "
+          f"SQLite store, engine {args.engine_ms:g} ms/completion; sequential n={args.seq}, "
+          f"{args.conc} concurrent n<={args.conc_requests}, "
           f"cap {args.max_seconds:g}s/phase")
     header = f"{'mode':10s} {'metric':26s} {'direct':>10s} {'gateway':>10s} {'added':>10s} {'ratio':>7s}"
     print(header)

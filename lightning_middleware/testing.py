@@ -211,7 +211,8 @@ def _responses_response(body: dict[str, Any]) -> dict[str, Any]:
             "usage": {"input_tokens": 5, "output_tokens": 5, "total_tokens": 10}}
 
 
-def build_app() -> Any:
+def build_app(latency_s: float = 0.0) -> Any:
+    """The ASGI app. `latency_s`: time every completion takes, as an engine's generation would."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, StreamingResponse
@@ -237,6 +238,8 @@ def build_app() -> Any:
         if path.endswith("/responses"):
             return JSONResponse(_responses_response(body), headers=seen)
         chat = path.endswith("/chat/completions")
+        if latency_s:
+            await asyncio.sleep(latency_s)
         if not body.get("stream"):
             return JSONResponse(_chat_response(body) if chat else _completion_response(body), headers=seen)
         delay = float(request.headers.get("x-test-delay", "0"))
@@ -288,8 +291,9 @@ def _child_env() -> dict[str, str]:
 class LLMTestServer:
     """The test server in a subprocess: `with LLMTestServer() as srv: OpenAI(base_url=srv.base_url)`."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, *, latency_ms: float = 0.0) -> None:
         self.port = port or free_port()
+        self.latency_ms = latency_ms
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -298,7 +302,8 @@ class LLMTestServer:
         import httpx
 
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "lightning_middleware.testing", "--port", str(self.port)],
+            [sys.executable, "-m", "lightning_middleware.testing", "--port", str(self.port),
+             "--latency-ms", str(self.latency_ms)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_child_env(),
         )
         deadline = time.monotonic() + timeout
@@ -336,8 +341,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="deterministic OpenAI-compatible test server")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8011)
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="time each completion takes")
     args = parser.parse_args(argv)
-    uvicorn.run(build_app(), host=args.host, port=args.port, log_level="warning", access_log=False)
+    uvicorn.run(build_app(args.latency_ms / 1000), host=args.host, port=args.port, log_level="warning", access_log=False)
 
 
 if __name__ == "__main__":
