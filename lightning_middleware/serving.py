@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -359,7 +360,7 @@ def add_cli(subparsers: Any) -> None:
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--log-path", default=None)
-    serve.add_argument("extra_args", nargs=argparse.REMAINDER, help="passed to vLLM after --")
+    serve.add_argument("--vllm-args", default="", help='extra vLLM flags, one string: "--max-num-seqs 8"')
     serve.set_defaults(func=_cmd_serve)
     env = subparsers.add_parser("vllm-env", help="create the vLLM server environment")
     env.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -368,13 +369,15 @@ def add_cli(subparsers: Any) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    extra = [a for a in args.extra_args if a != "--"]
+    extra = shlex.split(args.vllm_args)
     server = VLLMServer(
         args.model_dir, port=args.port, host=args.host, max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib, device=args.device, dtype=args.dtype,
         served_model_name=args.served_model_name, log_path=args.log_path, extra_args=extra,
     )  # fmt: skip
     ensure_vllm_env(device=server.device)
+    # `kill PID` must stop the server too: it runs in its own process group.
+    signal.signal(signal.SIGTERM, _raise_system_exit)
     with server:
         print(f"vLLM serving {args.model_dir} at {server.base_url} (log {server.log_path})")
         print("Ctrl-C to stop.")
@@ -384,6 +387,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
     return 0
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _cmd_vllm_env(args: argparse.Namespace) -> int:
