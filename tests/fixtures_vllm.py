@@ -47,6 +47,8 @@ def vllm_python() -> Path:
 
 
 def _build_family(root: Path, *, tied: bool, n_variants: int) -> TinyCheckpoints:
+    pytest.importorskip("torch", reason="building the tiny model needs the train extra")
+    pytest.importorskip("transformers", reason="building the tiny model needs the train extra")
     from trainer_backend.models import build_tiny_model, reinit_weights
 
     base = build_tiny_model(root / "base", tie_word_embeddings=tied, seed=0)
