@@ -12,7 +12,7 @@ Sequence (all over HTTP, the server runs with ``VLLM_SERVER_DEV_MODE=1`` and the
 6. engine ``POST /resume`` and gateway ``POST /admin/resume``, always, in ``finally``.
 
 Then it verifies: ``/weight_info`` reports the tag, the worker's output-layer probe
-is within rounding, and the parameter checksum moved. The checksum is a float64 sum
+is within rounding; ``weights_changed`` says whether the parameter checksum moved. The checksum is a float64 sum
 of |w| over the parameters vLLM keeps as tensors; on CPU the linear layers' weights
 are pre-packed into oneDNN handles and are not among them, so it covers embeddings,
 norms and biases only: a cheap "did the reload touch the weights" signal, not a
@@ -63,7 +63,8 @@ class PublishResult:
     checksum_after: float
     lm_head_max_err: float | None
     reported_version: str | None
-    verified: bool
+    weights_changed: bool  # checksum moved; False when the same weights come again
+    verified: bool  # version tag and output-layer probe check out
     problems: tuple[str, ...] = ()
 
 
@@ -96,6 +97,8 @@ class WeightPublisher:
         """Swap the weights in ``checkpoint_dir`` (safetensors) in, tagged ``version``."""
         ckpt = str(Path(checkpoint_dir).resolve())
         tag = str(version)
+        if not any(Path(ckpt).glob("*.safetensors")):  # fail before pausing anything
+            raise PublishError(f"no *.safetensors in {ckpt}")
         t: dict[str, float] = {}
         with httpx.Client(timeout=self.timeout) as c:
             before = self._rpc(c, "lightning_checksum", {}).get("checksum")
@@ -109,6 +112,9 @@ class WeightPublisher:
                 _timed(t, "engine_pause", lambda: _ok(c.post(f"{self.server_url}/pause", params={"mode": "wait"})))
                 engine_paused_at = time.perf_counter()
                 info = _timed(t, "reload", lambda: self._rpc(c, "lightning_reload", {"weights_path": ckpt}))
+                if "error" in info:
+                    state = "previous weights restored" if info.get("restored") else "WEIGHTS MAY BE MIXED"
+                    raise PublishError(f"reload of {ckpt} failed ({state}): {info['error']}")
                 _timed(t, "reset_cache", lambda: self._reset_prefix_cache(c))
                 _timed(t, "tag", lambda: _ok(c.post(f"{self.server_url}/update_weight_version", json={"new_version": tag})))
             finally:
@@ -133,15 +139,17 @@ class WeightPublisher:
         err = info.get("lm_head_max_err")
         if err is not None and err > LM_HEAD_TOLERANCE:
             problems.append(f"output layer computes with stale weights (probe error {err:.3g})")
-        if before is not None and after == before:
-            problems.append("parameter checksum unchanged (same weights, or the reload did nothing)")
+        changed = before is None or after != before
+        if not changed:  # legitimate when the same weights are published again
+            log.warning("parameter checksum unchanged after publishing %s", ckpt)
         result = PublishResult(
             version=tag, checkpoint_dir=ckpt, gateway_pause_s=t.get("gateway_pause"),
             engine_pause_s=t["engine_pause"], reload_s=t["reload"], reset_cache_s=t["reset_cache"],
             tag_s=t["tag"], resume_s=t["resume"], paused_s=paused_s, total_s=total,
             worker_reload_s=info.get("reload_s", 0.0), worker_repack_s=info.get("repack_s", 0.0),
             checksum_before=before, checksum_after=after, lm_head_max_err=err,
-            reported_version=reported, verified=not problems, problems=tuple(problems),
+            reported_version=reported, weights_changed=changed, verified=not problems,
+            problems=tuple(problems),
         )  # fmt: skip
         level = logging.INFO if result.verified else logging.WARNING
         log.log(level, "published %s as %r in %.3f s (paused %.3f s)%s", ckpt, tag, total,
@@ -166,10 +174,23 @@ class WeightPublisher:
 
     def _resume(self, c: httpx.Client, gateway: bool) -> None:
         try:
-            _ok(c.post(f"{self.server_url}/resume"))
+            _post_retry(c, f"{self.server_url}/resume")
         finally:
             if gateway and self.gateway_url:
-                _ok(c.post(f"{self.gateway_url}/admin/resume"))
+                _post_retry(c, f"{self.gateway_url}/admin/resume")
+
+
+def _post_retry(c: httpx.Client, url: str, attempts: int = 3) -> None:
+    """POST that survives a connection the server reset after an earlier error: a
+    server left paused would hold every later request forever."""
+    for i in range(attempts):
+        try:
+            _ok(c.post(url))
+            return
+        except httpx.TransportError:
+            if i == attempts - 1:
+                raise
+            time.sleep(0.1)
 
 
 def _root(url: str) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from lightning_middleware.publisher import LM_HEAD_TOLERANCE, WeightPublisher
+from lightning_middleware.publisher import LM_HEAD_TOLERANCE, PublishError, WeightPublisher
 from lightning_middleware.serving import VLLMServer, VLLMServerError, free_port
 
 pytestmark = [pytest.mark.vllm]
@@ -143,7 +143,7 @@ def test_swap_tied_changes_output_and_matches_hf(vllm_server: VLLMServer, tied_c
 
     r2 = pub.publish(v2, "tied-v2")
     assert r2.verified, r2.problems
-    assert r2.checksum_after != r1.checksum_after
+    assert r2.weights_changed and r2.checksum_after != r1.checksum_after
     out2 = greedy(vllm_server, SHORT)
     assert out2["choices"][0]["token_ids"] != out1["choices"][0]["token_ids"]
     assert max_diff_to_hf(v2, out2) < ATOL
@@ -232,6 +232,26 @@ def test_swap_with_requests_in_flight_loses_none(vllm_server: VLLMServer, tied_c
     assert any(t_done > swap_started for t_done, _ in done)
     assert result.verified, result.problems
     assert pub.weight_version() == "flight"
+
+
+def test_failed_swap_resumes_and_keeps_serving(vllm_server: VLLMServer, tied_checkpoints, tmp_path: Path) -> None:
+    """A broken checkpoint must not leave the engine paused or the weights mixed."""
+    pub = WeightPublisher(vllm_server.base_url)
+    v1 = tied_checkpoints.variants[0]
+    assert pub.publish(v1, "ok-v1").verified
+    before = greedy(vllm_server, SHORT)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((v1 / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    for ckpt in (tmp_path / "missing", broken):
+        with pytest.raises(PublishError):
+            pub.publish(ckpt, "broken")
+        assert httpx.get(f"{vllm_server.url}/is_paused", timeout=10).json()["is_paused"] is False
+    assert pub.weight_version() == "ok-v1"
+    after = greedy(vllm_server, SHORT)  # previous weights restored
+    assert after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
+    assert max_diff_to_hf(v1, after) < ATOL
 
 
 @pytest.mark.slow

@@ -13,9 +13,16 @@ nothing from the rest of ``trainer_backend`` at module level.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
+
+
+def _check_checkpoint(weights_path: str) -> None:
+    path = Path(weights_path)
+    if not path.is_dir() or not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"no *.safetensors in {weights_path}")
 
 
 class LightningWorkerExtension:
@@ -30,8 +37,16 @@ class LightningWorkerExtension:
         layer's ``process_weights_after_loading`` rebuilds it. Returns timings and
         the output-layer probe error (see ``_lm_head_probe``).
         """
+        # Errors come back as {"error": ...} rather than raised: a raised error
+        # turns into a reset HTTP connection, and a half-done reload would leave the
+        # model mixed, so restore the previous weights first.
+        previous = str(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
         t0 = time.perf_counter()
-        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+        try:
+            _check_checkpoint(weights_path)
+            self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            return {"error": f"{type(exc).__name__}: {exc}", "restored": self._restore(previous)}
         t1 = time.perf_counter()
         repacked = self._repack_lm_head()
         t2 = time.perf_counter()
@@ -41,6 +56,14 @@ class LightningWorkerExtension:
             "reload_s": t1 - t0, "repack_s": t2 - t1, "repacked": repacked,
             "lm_head_max_err": self._lm_head_probe(),
         }
+
+    def _restore(self, weights_path: str) -> bool:
+        try:
+            self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+            self._repack_lm_head()
+            return True
+        except Exception:  # noqa: BLE001 - the caller learns restored=False
+            return False
 
     def lightning_checksum(self) -> dict[str, Any]:
         """Sum of |w| over all parameters (float64, shared ones counted once), and
