@@ -198,7 +198,7 @@ class VLLMServer:
         startup_timeout: float = 300.0,
         env: Mapping[str, str] | None = None,
     ) -> None:
-        self.model_dir = Path(model_dir)
+        self.model_dir = Path(model_dir).expanduser().resolve()
         self.host = host
         self.port = port if port is not None else free_port(host)
         self.max_model_len = max_model_len
@@ -261,9 +261,11 @@ class VLLMServer:
         log.info("starting vLLM on %s for %s (log %s)", self.url, self.model_dir, self.log_path)
         t0 = time.monotonic()
         with open(self.log_path, "wb") as logf:
+            # cwd: `python -m` puts the working directory first on sys.path, so a
+            # checkout with another trainer_backend/ there would shadow ours.
             self._proc = subprocess.Popen(
                 self.command(), stdout=logf, stderr=subprocess.STDOUT, env=env,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                stdin=subprocess.DEVNULL, start_new_session=True, cwd=self._tmp.name,
             )  # fmt: skip
         try:
             self._wait_healthy(t0)

@@ -237,20 +237,20 @@ def prepare_smollm2(
     """
     from lightning_middleware.serving import lightning_home, make_server_pythonpath
 
-    out = Path(out_dir) if out_dir else lightning_home() / "models" / "smollm2-135m-instruct"
+    out = (Path(out_dir) if out_dir else lightning_home() / "models" / "smollm2-135m-instruct").resolve()
     if (out / ".converted").exists():
         return out
     if python is not None:
         cmd = [str(python), "-m", "trainer_backend.models", "smollm2", str(out)]
         if gguf_path:
-            cmd += ["--gguf", str(gguf_path)]
+            cmd += ["--gguf", str(Path(gguf_path).resolve())]
         with tempfile.TemporaryDirectory() as tmp:
             # Only trainer_backend on the path: our site-packages would shadow
             # that env's transformers.
             pypath = make_server_pythonpath(Path(tmp))
             env = dict(os.environ, PYTHONPATH=str(pypath), HF_HUB_OFFLINE="1")
             env.pop("VIRTUAL_ENV", None)
-            subprocess.run(cmd, check=True, env=env)
+            subprocess.run(cmd, check=True, env=env, cwd=tmp)  # cwd: see serving.VLLMServer.start
         return out
     return _convert_smollm2(out, Path(gguf_path) if gguf_path else find_smollm2_gguf())
 
