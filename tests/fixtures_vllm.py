@@ -14,8 +14,12 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from lightning_middleware.serving import VLLMServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -69,7 +73,7 @@ def untied_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoi
 @pytest.fixture(scope="session")
 def vllm_server(
     vllm_python: Path, tied_checkpoints: TinyCheckpoints, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator["VLLMServer"]:  # noqa: F821
+) -> Iterator[VLLMServer]:
     from lightning_middleware.serving import VLLMServer
 
     log_path = tmp_path_factory.mktemp("vllm-log") / "server.log"
