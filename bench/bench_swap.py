@@ -1,7 +1,7 @@
 """Measure server startup and hot-swap timings on a real vLLM server.
 
-    python benchmarks/bench_swap.py tiny            # tiny tied model built on the fly
-    python benchmarks/bench_swap.py smollm2 DIR     # a converted SmolLM2 folder
+    python bench/bench_swap.py tiny            # tiny tied model built on the fly
+    python bench/bench_swap.py smollm2 DIR     # a converted SmolLM2 folder
 
 Prints one JSON object (CLI output). Runs in the trainer env (torch+transformers
 to build variants and to check logprobs against an HF forward pass).
