@@ -363,7 +363,7 @@ class VerlEngine:
 
         td = left_right_2_no_padding(data.to_tensordict())
         n = len(data)
-        tu.assign_non_tensor(td, calculate_entropy=True, distillation_use_topk=False, distillation_only=False,
+        tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
                              global_batch_size=n, mini_batch_size=n, epochs=1, seed=42,
                              dataloader_kwargs={"shuffle": False}, compute_loss=compute_loss,
                              temperature=1.0, multi_turn=True)
@@ -373,15 +373,18 @@ class VerlEngine:
         """One optimizer update: one verl mini-batch holding the whole step."""
         if not rows:
             raise ValueError("step() needs at least one row")
-        from verl import DataProto
         from verl.utils import tensordict_utils as tu
 
         t0 = time.perf_counter()
         data = rows_to_dataproto(rows, agg=self.config.loss.agg, pad_id=self.pad_id, pad_to_multiple=self.world_size)
         has = data.non_tensor_batch["has_old_log_probs"]
         if self.config.old_logprobs == "recompute" or not has.all():
-            out = self.wg.compute_log_prob(self._to_tensordict(data, compute_loss=False))
-            recomputed = DataProto.from_tensordict(out).batch["old_log_probs"]
+            # as ray_trainer._compute_old_log_prob: no-padding in, nested log_probs out, back to (B, R)
+            from verl.workers.utils.padding import no_padding_2_padding
+
+            td = self._to_tensordict(data, compute_loss=False)
+            out = self.wg.compute_log_prob(td)
+            recomputed = no_padding_2_padding(tu.get(out, "log_probs"), td).float().cpu()
             keep = torch.from_numpy(has if self.config.old_logprobs == "behaviour" else np.zeros_like(has))
             data.batch["old_log_probs"] = torch.where(keep.unsqueeze(-1), data.batch["old_log_probs"],
                                                       recomputed.float() * data.batch["response_mask"])
