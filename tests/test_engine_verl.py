@@ -260,3 +260,72 @@ def test_verl_engine_refuses_cpu(model_dir):
         pytest.skip("GPU present")
     with pytest.raises(RuntimeError, match="GPU"):
         VerlEngine(model_dir)
+
+
+# ---------------------------------------------------------------- VerlEngine.step's driver logic, worker group faked
+
+
+class _FakeWorkerGroup:
+    """Stands in for the Ray worker group: compute_log_prob with a tiny model in verl's no-padding layout,
+    update_actor records its input and answers with metrics shaped like TrainingWorker's."""
+
+    def __init__(self, model_dir: Path):
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.updates = []
+
+    @torch.no_grad()
+    def compute_log_prob(self, td):
+        from verl.utils import tensordict_utils as tu
+
+        ids, pos = td["input_ids"], td["position_ids"]
+        offsets = ids.offsets()
+        vals = []
+        for i in range(len(offsets) - 1):
+            seq = ids.values()[offsets[i]:offsets[i + 1]]
+            logits = self.model(input_ids=seq[None], position_ids=pos[i][None]).logits[0]
+            vals.append(torch.log_softmax(logits, -1).gather(-1, torch.roll(seq, -1)[:, None])[:, 0])
+        nested = torch.nested.nested_tensor_from_jagged(torch.cat(vals), offsets=offsets)
+        return tu.get_tensordict(tensor_dict={"log_probs": nested}, non_tensor_dict={"metrics": {}})
+
+    def update_actor(self, td):
+        from verl.utils import tensordict_utils as tu
+        from verl.utils.metric import AggregationType, Metric
+
+        self.updates.append(td)
+        pg = Metric(AggregationType.SUM)
+        pg.extend([0.2, 0.05])  # two micro-batches; dp-aggregated to a float per mini-batch, as train_mini_batch does
+        metrics = {"loss": [0.25], "grad_norm": [1.5], "actor/pg_loss": [Metric.aggregate_dp([pg])],
+                   "actor/pg_clipfrac": [0.1, 0.3], "actor/ppo_kl": [0.01, 0.03]}
+        return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics})
+
+
+def test_verl_engine_step_with_faked_workers(model_dir):
+    from verl.utils import tensordict_utils as tu
+
+    from trainer_backend.engine_verl import VerlEngine
+
+    eng = VerlEngine.__new__(VerlEngine)
+    eng.config, eng.policy_version, eng.world_size, eng.pad_id = VerlEngineConfig(), 3, 2, 0
+    eng.wg = _FakeWorkerGroup(model_dir)
+    rows = multi_turn_rows()
+    rows[1] = dataclasses.replace(rows[1], behaviour_logprobs=None)  # this row's old log-probs get recomputed
+    m = eng.step(rows)
+    assert eng.policy_version == 4 and m["policy_version"] == 4
+    assert m["loss"] == 0.25 and m["grad_norm"] == 1.5 and m["clip_frac"] == pytest.approx(0.2)
+    assert m["rows"] == 5 and m["rollouts"] == 4
+    (td,) = eng.wg.updates
+    assert len(td["advantages"]) == 6  # padded to a multiple of the dp size
+    assert tu.get(td, "mini_batch_size") == 6 and tu.get(td, "epochs") == 1  # one update per step
+    old = td["old_log_probs"]
+    # row 1: recomputed log-probs on its trained tokens; others: vLLM's
+    want = _FakeWorkerGroup(model_dir)
+    ids = torch.tensor([rows[1].input_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(want.model(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    c = split_point(rows[1])
+    k = len(rows[1]) - c
+    mask = torch.tensor(rows[1].loss_mask[c:], dtype=torch.float32)
+    assert torch.allclose(old[1, :k], lp[c - 1:] * mask, atol=1e-5)
+    r0 = rows[0]
+    c0 = split_point(r0)
+    assert old[0, :len(r0) - c0].tolist() == torch.tensor(r0.behaviour_logprobs[c0:], dtype=torch.float32).tolist()

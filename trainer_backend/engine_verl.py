@@ -389,19 +389,20 @@ class VerlEngine:
             data.batch["old_log_probs"] = torch.where(keep.unsqueeze(-1), data.batch["old_log_probs"],
                                                       recomputed.float() * data.batch["response_mask"])
         out = self.wg.update_actor(self._to_tensordict(data, compute_loss=True))
-        raw = tu.get(out, "metrics")
+        from verl.utils.metric import reduce_metrics
+
+        raw = reduce_metrics(dict(tu.get(out, "metrics")))  # as ray_trainer: Metric.aggregate / mean
         self.policy_version += 1
         elapsed = time.perf_counter() - t0
-        metrics: dict[str, float] = {}
-        for k, v in raw.items():
-            vals = v if isinstance(v, list) else [v]
-            vals = [float(getattr(x, "value", x)) for x in vals]
-            metrics[k] = sum(vals) if k.endswith("pg_loss") else sum(vals) / max(len(vals), 1)
+        metrics = {f"verl/{k}": float(v) for k, v in raw.items() if np.ndim(v) == 0}
         tokens = sum(len(r) for r in rows)
-        metrics.update(loss=metrics.get("actor/pg_loss", float("nan")), pg_loss=metrics.get("actor/pg_loss", float("nan")),
-                       clip_frac=metrics.get("actor/pg_clipfrac", float("nan")),
-                       approx_kl=metrics.get("actor/ppo_kl", float("nan")),
-                       grad_norm=metrics.get("actor/grad_norm", metrics.get("grad_norm", float("nan"))),
+        nan = float("nan")
+        metrics.update(loss=float(raw.get("loss", nan)),  # sum of micro-batch losses = the step loss
+                       pg_loss=float(raw.get("actor/pg_loss", nan)),
+                       clip_frac=float(raw.get("actor/pg_clipfrac", nan)),  # micro-batch means, averaged
+                       clip_frac_lower=float(raw.get("actor/pg_clipfrac_lower", nan)),
+                       approx_kl=float(raw.get("actor/ppo_kl", nan)),
+                       grad_norm=float(raw.get("grad_norm", nan)),
                        rows=float(len(rows)), rollouts=float(len({r.rollout_id for r in rows})),
                        tokens=float(tokens), response_tokens=float(sum(r.n_response_tokens for r in rows)),
                        time_s=elapsed, tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
