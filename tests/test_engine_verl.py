@@ -253,6 +253,48 @@ def test_verl_loss_path_dual_clip(model_dir):
         assert torch.allclose(v_grads[n], g, atol=1e-5, rtol=1e-4), n
 
 
+@pytest.mark.parametrize("dual_clip_c", [None, 3.0])
+def test_verl_fsdp_actor_on_cpu_equals_torch_engine(model_dir, tmp_path, dual_clip_c):
+    """verl's real actor worker (TrainingWorker -> FSDP2 engine -> micro-batches -> ppo_loss with our registered
+    loss -> backward -> optimizer step -> HF checkpoint), driven by VerlEngine.step/save, in one CPU process with
+    a CPU platform shim (tests/verl_cpu_actor.py); SGD lr 1 so the parameter change is the gradient."""
+    import socket
+    import subprocess
+    import sys
+
+    rows = _perturbed(model_dir, multi_turn_rows())
+    if dual_clip_c:
+        rows = [dataclasses.replace(r, behaviour_logprobs=tuple(x - 2.0 * m for x, m in
+                                                               zip(r.behaviour_logprobs, r.loss_mask))) for r in rows]
+    torch.save(rows, tmp_path / "rows.pt")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    helper = Path(__file__).with_name("verl_cpu_actor.py")
+    cmd = [sys.executable, str(helper), str(model_dir), str(tmp_path / "rows.pt"), str(tmp_path / "out.pt")]
+    if dual_clip_c:
+        cmd.append(str(dual_clip_c))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "VERL_CPU_PORT": str(port)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    loss_cfg = LossConfig(clip_low=0.2, clip_high=0.28, dual_clip_c=dual_clip_c)
+    t_loss, t_grads = _torch_grads(model_dir, rows, loss_cfg)
+    m = out["metrics"]
+    assert m["loss"] == pytest.approx(t_loss, abs=1e-6) and m["policy_version"] == 1
+    if dual_clip_c:
+        assert m["clip_frac_lower"] > 0
+    for n, g in t_grads.items():
+        assert torch.allclose(out["grads"][n], g, atol=1e-5, rtol=1e-4), n
+    grad_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in t_grads.values())))
+    assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
+    assert {"config.json", "model.safetensors"} <= set(out["saved"])
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    start = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for (n, p), (_, p0) in zip(saved.named_parameters(), start.named_parameters()):
+        assert torch.allclose(p, p0 - t_grads[n], atol=1e-5), n  # the checkpoint holds the updated weights
+
+
 def test_verl_engine_refuses_cpu(model_dir):
     from trainer_backend.engine_verl import VerlEngine
 

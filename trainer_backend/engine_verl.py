@@ -241,7 +241,7 @@ class VerlEngineConfig:
     ray_init: dict = field(default_factory=dict)
 
 
-_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "bfloat16": "bfloat16", "float32": "float32"}
+_DTYPES = {"bf16": "bf16", "fp32": "fp32", "bfloat16": "bf16", "float32": "fp32"}
 
 
 def build_actor_config(model_dir: str | Path, cfg: VerlEngineConfig, checkpoint_dir: str | Path | None = None):
@@ -291,7 +291,9 @@ def build_actor_config(model_dir: str | Path, cfg: VerlEngineConfig, checkpoint_
     ]
     if dual:
         overrides.append(f"{a}.actor.clip_ratio_c={cfg.loss.dual_clip_c}")
-    overrides.append(f"{a}.actor.fsdp_config.dtype={_DTYPES[cfg.param_dtype]}")
+    # FSDP compute dtype (autocast and FSDP MixedPrecision param_dtype; master weights fp32).
+    # Not fsdp_config.dtype: verl 0.9.1's FSDP engine reads mixed_precision.param_dtype (default bf16).
+    overrides.append(f"+{a}.actor.fsdp_config.mixed_precision.param_dtype={_DTYPES[cfg.param_dtype]}")
     overrides += list(cfg.overrides)
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
