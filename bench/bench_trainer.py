@@ -225,7 +225,8 @@ def main() -> None:
     args = ap.parse_args()
     t_start = time.perf_counter()
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), python {platform.python_version()}")
+          f"({torch.get_num_threads()} threads), python {platform.python_version()}; "
+          f"load average {os.getloadavg()[0]:.2f} (1 min)")
 
     a = bench_assembly(32 if args.quick else args.rollouts, 2 if args.quick else args.repeats)
     print("\n== batch assembly (SQLite store -> rows with advantages) ==")
@@ -280,6 +281,7 @@ def main() -> None:
               f"{r['tokens_per_s']:>9,.0f}{r['step_s']:>8.2f}{r['flops'] / 1e9:>9.1f}"
               f"{100 * r['flops'] / peak:>6.1f}%{100 * r['flops_attn'] / peak:>9.1f}%"
               f"{100 * r['bare_flops'] / peak:>17.1f}%")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
     print(f"\ntotal bench time {time.perf_counter() - t_start:.0f}s")
 
 
