@@ -15,7 +15,7 @@
    12 * layers * hidden * T_avg_ctx per token (fwd+bwd, causal: average context = T/2).
    Peak: best of repeated large square `torch.matmul` in bf16 and in fp32, measured here.
 
-    python bench/bench_trainer.py [--rollouts 128] [--quick]
+    python bench/bench_trainer.py [--rollouts 128] [--rows 4 --length 512] [--quick]
 """
 
 from __future__ import annotations
@@ -221,6 +221,8 @@ def main() -> None:
     ap.add_argument("--rollouts", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=4, help="training rows per step")
+    ap.add_argument("--length", type=int, default=512, help="tokens per training row")
     ap.add_argument("--quick", action="store_true", help="smaller everything (a smoke run)")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -250,7 +252,7 @@ def main() -> None:
 
     measure_peaks()
 
-    n_rows, length = (4, 256) if args.quick else (4, 512)
+    n_rows, length = (4, 256) if args.quick else (args.rows, args.length)
     results = []
     with tempfile.TemporaryDirectory() as d:
         for name in MODELS:
