@@ -295,6 +295,27 @@ def test_verl_fsdp_actor_on_cpu_equals_torch_engine(model_dir, tmp_path, dual_cl
         assert torch.allclose(p, p0 - t_grads[n], atol=1e-5), n  # the checkpoint holds the updated weights
 
 
+def test_worker_class_pickles_by_reference_and_registers_the_loss():
+    """A Ray worker gets the class by reference; unpickling it in a fresh process registers our loss."""
+    import subprocess
+    import sys
+
+    import cloudpickle
+
+    from trainer_backend.engine_verl import _actor_worker_cls
+
+    blob = cloudpickle.dumps(_actor_worker_cls())
+    assert len(blob) < 200  # by reference, not by value
+    code = ("import sys, pickle; cls = pickle.loads(sys.stdin.buffer.read()); "
+            "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R; "
+            "print(cls.__name__, 'lightning_rollout' in R, 'lightning_rollout_dual' in R)")
+    repo = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, timeout=120,
+                          env={**__import__("os").environ, "PYTHONPATH": repo})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.decode().split() == ["LightningActorWorker", "True", "True"]
+
+
 def test_verl_engine_refuses_cpu(model_dir):
     from trainer_backend.engine_verl import VerlEngine
 

@@ -302,16 +302,32 @@ def build_actor_config(model_dir: str | Path, cfg: VerlEngineConfig, checkpoint_
 
 
 def _actor_worker_cls():
-    """Our subclass of verl's ActorRolloutRefWorker, defined lazily (importing verl's workers pulls in ray)."""
+    """Our subclass of verl's ActorRolloutRefWorker, made on first use (importing verl's workers pulls in ray)
+    and reachable as `trainer_backend.engine_verl.LightningActorWorker` (module __getattr__), so a Ray worker
+    that unpickles it by reference imports this module, which registers our policy loss; __init__
+    registers it again in case the class travelled by value."""
+    cls = globals().get("LightningActorWorker")
+    if cls is not None:
+        return cls
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
     class LightningActorWorker(ActorRolloutRefWorker):
-        """verl's actor worker (role "actor": FSDP actor, no rollout, no ref). Defined in this module so a
-        Ray worker that unpickles it imports trainer_backend.engine_verl, which registers our policy loss."""
+        """verl's actor worker (role "actor": FSDP actor, no rollout, no ref) with our policy loss registered."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            register_policy_loss()
+            super().__init__(*args, **kwargs)
 
     LightningActorWorker.__module__ = __name__
     LightningActorWorker.__qualname__ = "LightningActorWorker"
+    globals()["LightningActorWorker"] = LightningActorWorker
     return LightningActorWorker
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: the lazily made worker class, for unpickling by reference
+    if name == "LightningActorWorker":
+        return _actor_worker_cls()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class VerlEngine:
