@@ -323,6 +323,17 @@ def test_verl_engine_refuses_cpu(model_dir):
         pytest.skip("GPU present")
     with pytest.raises(RuntimeError, match="GPU"):
         VerlEngine(model_dir)
+    # the daemon's path: `lightning-mw trainer --engine verl` -> _make_engine -> VerlEngine.from_args
+    import argparse
+
+    from trainer_backend.daemon import _make_engine, add_cli
+
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args(["trainer", "--store", "sqlite:///x.db", "--model", str(model_dir), "--engine", "verl",
+                              "--bf16", "--micro-batch-tokens", "4096"])
+    with pytest.raises(RuntimeError, match="GPU"):
+        _make_engine(args, model_dir, 0)
 
 
 # ---------------------------------------------------------------- VerlEngine.step's driver logic, worker group faked
