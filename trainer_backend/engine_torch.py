@@ -25,7 +25,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 from transformers import AutoModelForCausalLM
 
-from trainer_backend.grpo import LossConfig, entropy_from_logits, loss_weights, policy_loss, token_logprobs
+from trainer_backend.grpo import LossConfig, loss_weights, policy_loss
 from trainer_backend.rows import Row
 
 log = logging.getLogger(__name__)
@@ -147,8 +147,10 @@ class TorchEngine:
         if config.reference_model or config.loss.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.betas,
-                                           eps=config.adam_eps, weight_decay=config.weight_decay)
+        # fused: one kernel for all parameters instead of a loop of small ops per tensor
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.betas, eps=config.adam_eps,
+                                           weight_decay=config.weight_decay,
+                                           fused=self.device.type in ("cpu", "cuda"))
         pad = self.model.config.pad_token_id
         self.pad_id = int(pad) if pad is not None else 0
         log.info("TorchEngine: %s, %.2fM trainable params, version %d", self.source_dir,
@@ -162,19 +164,27 @@ class TorchEngine:
         return nullcontext()
 
     def _forward(self, model: torch.nn.Module, mb: MicroBatch, with_entropy: bool):
-        """Per-token log-probs of the targets (B, T-1) and, optionally, entropies."""
+        """Per-token log-probs of the targets (B, T-1) and, optionally, entropies.
+
+        Only positions that predict a trained token (weight != 0 in some row) get
+        logits: prompts and tool results are most of an agent's tokens, and the
+        output layer plus the vocabulary softmax are a large share of a small
+        model's step. Other positions read 0 and carry weight 0 everywhere.
+        """
+        keep = (mb.weights != 0).any(0).nonzero().squeeze(-1).to(self.device)
         with self._autocast():
-            logits = model(input_ids=mb.input_ids.to(self.device),
-                           attention_mask=mb.attention_mask.to(self.device), use_cache=False).logits
-        logits = logits[:, :-1].float()
-        logp = token_logprobs(logits, mb.targets.to(self.device))
+            logits = model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device),
+                           use_cache=False, logits_to_keep=keep).logits
+        logits = logits.float()  # (B, K, V)
+        lse = torch.logsumexp(logits, dim=-1)  # shared by log-probs and entropy
+        targets = mb.targets.to(self.device)[:, keep]
+        logp_k = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+        logp = logp_k.new_zeros(mb.targets.shape).index_copy(1, keep, logp_k)
         entropy = None
         if with_entropy:
-            if self.config.loss.entropy_coef:
-                entropy = entropy_from_logits(logits)
-            else:
-                with torch.no_grad():
-                    entropy = entropy_from_logits(logits)
+            with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.config.loss.entropy_coef)):
+                ent_k = lse - (torch.exp(logits - lse.unsqueeze(-1)) * logits).sum(-1)
+                entropy = ent_k.new_zeros(mb.targets.shape).index_copy(1, keep, ent_k)
         return logp, entropy
 
     @torch.no_grad()
