@@ -304,6 +304,19 @@ def transport_classes(module: types.ModuleType) -> tuple[type, type]:
         if new_body is not None:
             set_body(request, new_body)
 
+    def start(settings: CaptureSettings, request: Any, body: bytes) -> _Pending | None:
+        """Begin recording `request` and edit it for sending; None: forward it unrecorded."""
+        try:
+            pending, new_body = _begin(settings, request, body)
+            if pending is not None:
+                prepare(request, new_body)
+            else:
+                strip_routing_headers(request)
+            return pending
+        except Exception:
+            log.exception("capture failed before sending; forwarding unrecorded")
+            return None
+
     def tee(response: Any, pending: _Pending, tee_cls: type) -> Any:
         chunks: list[bytes] = []
 
@@ -335,15 +348,7 @@ def transport_classes(module: types.ModuleType) -> tuple[type, type]:
             self.settings = settings
 
         def handle_request(self, request: Any) -> Any:
-            pending = None
-            try:
-                pending, new_body = _begin(self.settings, request, request.read())
-                if pending is not None:
-                    prepare(request, new_body)
-                else:
-                    strip_routing_headers(request)
-            except Exception:
-                log.exception("capture failed before sending; forwarding unrecorded")
+            pending = start(self.settings, request, request.read())
             if pending is None:
                 return self.inner.handle_request(request)
             try:
@@ -365,15 +370,7 @@ def transport_classes(module: types.ModuleType) -> tuple[type, type]:
             self.settings = settings
 
         async def handle_async_request(self, request: Any) -> Any:
-            pending = None
-            try:
-                pending, new_body = _begin(self.settings, request, await request.aread())
-                if pending is not None:
-                    prepare(request, new_body)
-                else:
-                    strip_routing_headers(request)
-            except Exception:
-                log.exception("capture failed before sending; forwarding unrecorded")
+            pending = start(self.settings, request, await request.aread())
             if pending is None:
                 return await self.inner.handle_async_request(request)
             try:

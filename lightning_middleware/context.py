@@ -148,7 +148,8 @@ class _RolloutScope:
         self._frames.append((state, _current.set(state), time.monotonic()))
         return RolloutHandle(state)
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: Any) -> None:
+    def _leave(self, exc_type: type[BaseException] | None, exc: BaseException | None) -> RolloutState:
+        """Restore the outer context and submit the rollout's end; the caller flushes."""
         state, token, t0 = self._frames.pop()
         _current.reset(token)
         with _active_lock:
@@ -156,24 +157,24 @@ class _RolloutScope:
         status, error = _outcome(exc_type, exc)
         state.store.submit_rollout_end(state.id, status=status, ended_at=time.time(),
                                        duration_s=time.monotonic() - t0, error=error)
-        if not state.store.flush(self._args["flush_timeout"]):
+        return state
+
+    @staticmethod
+    def _warn_unflushed(state: RolloutState, ok: bool) -> None:
+        if not ok:
             log.warning("rollout %s ended but its traces are not on disk yet (store unavailable?)", state.id)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: Any) -> None:
+        state = self._leave(exc_type, exc)
+        self._warn_unflushed(state, state.store.flush(self._args["flush_timeout"]))
 
     async def __aenter__(self) -> RolloutHandle:
         return self.__enter__()
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: Any) -> None:
+        state = self._leave(exc_type, exc)
         # flush() may wait on the writer thread: keep the event loop free meanwhile.
-        state, token, t0 = self._frames.pop()
-        _current.reset(token)
-        with _active_lock:
-            _active.pop(state.id, None)
-        status, error = _outcome(exc_type, exc)
-        state.store.submit_rollout_end(state.id, status=status, ended_at=time.time(),
-                                       duration_s=time.monotonic() - t0, error=error)
-        ok = await asyncio.to_thread(state.store.flush, self._args["flush_timeout"])
-        if not ok:
-            log.warning("rollout %s ended but its traces are not on disk yet (store unavailable?)", state.id)
+        self._warn_unflushed(state, await asyncio.to_thread(state.store.flush, self._args["flush_timeout"]))
 
     # -- decorator -----------------------------------------------------------
     def __call__(self, fn: F) -> F:
