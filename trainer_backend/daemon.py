@@ -37,25 +37,14 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from lightning_middleware import PolicyVersion, Rollout, TraceStore, TrainStep
 from lightning_middleware.store import get_store
+from trainer_backend.engine import Engine, Publisher
 from trainer_backend.rows import RowStats, build_rows_for_rollouts, with_advantages
 
 log = logging.getLogger(__name__)
-
-
-class Publisher(Protocol):
-    def publish(self, checkpoint_dir: str | Path, version: int) -> Any: ...
-
-
-class Engine(Protocol):
-    policy_version: int
-
-    def step(self, rows: Sequence[Any]) -> dict[str, float]: ...
-
-    def save(self, out_dir: str | Path) -> Path: ...
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,13 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Sequence
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from trainer_backend.grpo import LossConfig, loss_weights, policy_loss
+from trainer_backend.engine import Engine  # noqa: F401  (re-exported: TorchEngine satisfies it)
 from trainer_backend.rows import Row
 
 log = logging.getLogger(__name__)
@@ -35,15 +36,6 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
 )
-
-
-@runtime_checkable
-class Engine(Protocol):
-    policy_version: int
-
-    def step(self, rows: Sequence[Row]) -> dict[str, float]: ...
-
-    def save(self, out_dir: str | Path) -> Path: ...
 
 
 @dataclass(frozen=True)
