@@ -14,6 +14,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import _json
+
 
 @dataclass
 class Assembled:
@@ -73,8 +75,8 @@ def _strip_token_fields(body: dict[str, Any]) -> dict[str, Any]:
 
 def parse_body(raw: bytes, endpoint: str) -> Assembled:
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        body = _json.loads(raw)
+    except ValueError as exc:
         return Assembled(error=f"response is not JSON: {exc}")
     if not isinstance(body, dict):
         return Assembled(error="response JSON is not an object")
@@ -130,7 +132,7 @@ class StreamAssembler:
             self._done = True
             return
         try:
-            chunk = json.loads(payload)
+            chunk = _json.loads(payload)
         except ValueError:
             self._errors.append("unparseable stream chunk")
             return

@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import _json
 from ._assemble import Assembled, BodyCollector
 from .context import AGENT_HEADER, ROLLOUT_HEADER, RolloutState, current_agent, current_rollout, state_for_header
 from .records import LLMCall, new_id
@@ -184,8 +185,8 @@ def _begin(settings: CaptureSettings, request: Any, body: bytes) -> tuple[_Pendi
     if endpoint is None or request.method != "POST":
         return None, None
     try:
-        payload = json.loads(body) if body else None
-    except (ValueError, UnicodeDecodeError):
+        payload = _json.loads(body) if body else None
+    except ValueError:
         payload = None
     if not isinstance(payload, dict):
         return None, None

