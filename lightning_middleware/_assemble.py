@@ -247,3 +247,84 @@ class BodyCollector:
 
     def raw_text(self, limit: int = 2000) -> str:
         return b"".join(self._parts)[:limit].decode("utf-8", "replace")
+
+
+# --------------------------------------------------------------------------
+# Giving the caller the response it asked for
+# --------------------------------------------------------------------------
+
+def strip_added(obj: dict[str, Any], added: frozenset[str]) -> None:
+    """Remove from a response (or stream chunk) the fields only our injected request fields produced."""
+    if "return_token_ids" in added:
+        obj.pop("prompt_token_ids", None)
+    for choice in obj.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        if "return_token_ids" in added:
+            choice.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)
+        if "logprobs" in added and "logprobs" in choice:
+            choice["logprobs"] = None  # what the API sends when logprobs were not asked for
+
+
+class BodyRewriter:
+    """Buffers a JSON body and hands it back without the injected fields.
+
+    The caller's SDK reads the whole body before parsing it anyway, so holding
+    it costs no latency, and the SDK no longer parses per-token logprobs it
+    never asked for (the largest part of what asking for them costs a caller).
+    """
+
+    def __init__(self, added: frozenset[str]) -> None:
+        self._added = added
+        self._parts: list[bytes] = []
+
+    def feed(self, data: bytes) -> bytes:
+        self._parts.append(data)
+        return b""
+
+    def finish(self) -> bytes:
+        raw = b"".join(self._parts)
+        try:
+            body = _json.loads(raw)
+        except ValueError:
+            return raw
+        if not isinstance(body, dict):
+            return raw
+        strip_added(body, self._added)
+        return _json.dumps(body).encode()
+
+
+class EventRewriter:
+    """Rewrites a server-sent event stream event by event, as the events arrive."""
+
+    def __init__(self, added: frozenset[str]) -> None:
+        self._added = added
+        self._pending = b""
+        self._passthrough = False
+
+    def feed(self, data: bytes) -> bytes:
+        if self._passthrough or b"\r" in data:  # CRLF framing: pass it on untouched, never hold it back
+            self._passthrough = True
+            out, self._pending = self._pending + data, b""
+            return out
+        self._pending += data
+        head, sep, rest = self._pending.rpartition(b"\n\n")
+        if not sep:
+            return b""
+        self._pending = rest
+        return b"".join(self._event(e) for e in head.split(b"\n\n"))
+
+    def _event(self, event: bytes) -> bytes:
+        if event.startswith(b"data: {"):
+            try:
+                chunk = _json.loads(event[6:])
+                strip_added(chunk, self._added)
+                return b"data: " + _json.dumps(chunk).encode() + b"\n\n"
+            except ValueError:
+                pass
+        return event + b"\n\n"
+
+    def finish(self) -> bytes:
+        rest, self._pending = self._pending, b""
+        return rest

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _json
-from ._assemble import Assembled, BodyCollector
+from ._assemble import Assembled, BodyCollector, BodyRewriter, EventRewriter
 from .context import AGENT_HEADER, ROLLOUT_HEADER, RolloutState, current_agent, current_rollout, state_for_header
 from .records import LLMCall, new_id
 from .store import TraceStore
@@ -67,6 +67,8 @@ class CaptureSettings:
     record_unattached: bool = True
     inject_token_ids: bool = True
     inject_logprobs: bool = True
+    # Remove the fields only our injection produced from what the caller gets (the gateway keeps them).
+    strip_added: bool = True
     # Hosts that answered 400 to the injected fields: leave their requests alone.
     no_inject_hosts: set[str] = field(default_factory=set)
     _unattached_counter: Any = field(default_factory=lambda: _Counter())
@@ -98,7 +100,7 @@ class _Pending:
     agent_name: str | None
     body: bytes  # the request body as the caller sent it
     payload: dict[str, Any]  # ... parsed
-    injected: bool
+    added: frozenset[str]  # fields we added to the request (removed again from what the caller gets)
     started_at: float = field(default_factory=time.time)
     t0: float = field(default_factory=time.perf_counter)
     done: bool = False
@@ -206,7 +208,7 @@ def _begin(settings: CaptureSettings, request: Any, body: bytes) -> tuple[_Pendi
         call_index=state.next_call_index() if state is not None else settings._unattached_counter(),
         attempt=retries + 1,
         agent_name=request.headers.get(AGENT_HEADER) or current_agent(),
-        body=body, payload=payload, injected=bool(additions),
+        body=body, payload=payload, added=frozenset(additions),
     )
     if endpoint == "responses":
         _warn_once("responses", "Responses API calls are recorded but vLLM returns no token IDs there; "
@@ -259,15 +261,23 @@ def transport_classes(module: types.ModuleType) -> tuple[type, type]:
     """(sync transport class, async transport class) for an httpx-like module."""
 
     class TeeStream(module.SyncByteStream):  # type: ignore[name-defined,misc]
-        """Passes the body through as it arrives, keeping a reference to each chunk."""
+        """Passes the body on as it arrives, keeping each original chunk for the record.
 
-        def __init__(self, inner: Any, chunks: list[bytes], on_close: Any) -> None:
-            self._inner, self._chunks, self._on_close = inner, chunks, on_close
+        With a rewriter, what the caller gets has our injected fields removed.
+        """
+
+        def __init__(self, inner: Any, chunks: list[bytes], on_close: Any, rewriter: Any) -> None:
+            self._inner, self._chunks, self._on_close, self._rw = inner, chunks, on_close, rewriter
 
         def __iter__(self) -> Iterator[bytes]:
+            rw = self._rw
             for chunk in self._inner:
                 self._chunks.append(chunk)
-                yield chunk
+                out = chunk if rw is None else rw.feed(chunk)
+                if out:
+                    yield out
+            if rw is not None and (tail := rw.finish()):
+                yield tail
 
         def close(self) -> None:
             try:
@@ -276,13 +286,18 @@ def transport_classes(module: types.ModuleType) -> tuple[type, type]:
                 self._on_close()
 
     class AsyncTeeStream(module.AsyncByteStream):  # type: ignore[name-defined,misc]
-        def __init__(self, inner: Any, chunks: list[bytes], on_close: Any) -> None:
-            self._inner, self._chunks, self._on_close = inner, chunks, on_close
+        def __init__(self, inner: Any, chunks: list[bytes], on_close: Any, rewriter: Any) -> None:
+            self._inner, self._chunks, self._on_close, self._rw = inner, chunks, on_close, rewriter
 
         async def __aiter__(self) -> AsyncIterator[bytes]:
+            rw = self._rw
             async for chunk in self._inner:
                 self._chunks.append(chunk)
-                yield chunk
+                out = chunk if rw is None else rw.feed(chunk)
+                if out:
+                    yield out
+            if rw is not None and (tail := rw.finish()):
+                yield tail
 
         async def aclose(self) -> None:
             try:
@@ -325,21 +340,35 @@ def transport_classes(module: types.ModuleType) -> tuple[type, type]:
             pending.finish(status_code=response.status_code, chunks=chunks, headers=response.headers)
 
         try:
-            response.stream = tee_cls(response.stream, chunks, on_close)
+            response.stream = tee_cls(response.stream, chunks, on_close, rewriter_for(response, pending))
         except Exception as exc:  # hand back the untouched response rather than fail the call
             log.exception("could not tee a response; the call is recorded without its body")
             pending.finish(status_code=response.status_code, headers=response.headers, error=f"recorder: {exc}")
         return response
 
+    def rewriter_for(response: Any, pending: _Pending) -> Any:
+        """What removes our injected fields from the caller's copy, if anything needs to."""
+        if not (pending.added and pending.settings.strip_added and 200 <= response.status_code < 300):
+            return None
+        if response.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
+            return None
+        content_type = response.headers.get("content-type", "")
+        if "text/event-stream" in content_type:
+            return EventRewriter(pending.added)
+        if "json" in content_type:
+            response.headers.pop("content-length", None)  # the caller's body is shorter now
+            return BodyRewriter(pending.added)
+        return None
+
     def rejected_injection(pending: _Pending, request: Any, response: Any) -> bool:
         """A 400 to a request we changed: resend it as the caller wrote it, and stop changing that host's."""
-        if not (pending.injected and response.status_code == 400):
+        if not (pending.added and response.status_code == 400):
             return False
         host = request.url.host
         pending.settings.no_inject_hosts.add(host)
         _warn_once(f"reject:{host}", "%s rejected return_token_ids/logprobs (not vLLM?); sending requests "
                    "to it unchanged from now on, without token IDs", host)
-        pending.injected = False
+        pending.added = frozenset()
         set_body(request, pending.body)
         return True
 

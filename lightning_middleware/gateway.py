@@ -324,7 +324,9 @@ class Gateway:
         if self._client is None:
             # Several small clients rather than one big pool: httpcore's pool does work proportional
             # to (queued requests x connections) on every request, which dominated at 32 concurrent.
-            settings = CaptureSettings(store=self.store, record_unattached=self.record_unattached)
+            # strip_added=False: gateway callers get the engine's token IDs and logprobs too.
+            settings = CaptureSettings(store=self.store, record_unattached=self.record_unattached,
+                                       strip_added=False)
             self._clients = []
             for _ in range(self.client_shards):
                 inner = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=256,

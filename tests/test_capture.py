@@ -162,6 +162,23 @@ def test_responses_api_recorded_without_token_ids(llm_server: LLMTestServer, sto
     assert any("no token IDs" in m for m in caplog.messages)
 
 
+def test_caller_gets_only_what_it_asked_for(llm_server: LLMTestServer, store: TraceStore) -> None:
+    client = _client(llm_server, store)
+    with rollout("clean", store=store) as r:
+        raw = client.chat.completions.with_raw_response.create(model="m", messages=MSGS)
+        asked = client.chat.completions.create(model="m", messages=MSGS, logprobs=True)
+        events = [json.loads(line[6:]) for line in client.chat.completions.with_raw_response.create(
+            model="m", messages=MSGS, stream=True).http_response.iter_lines() if line.startswith("data: {")]
+    body = json.loads(raw.http_response.content)
+    assert "prompt_token_ids" not in body and "token_ids" not in body["choices"][0]
+    assert body["choices"][0]["logprobs"] is None
+    assert asked.choices[0].logprobs is not None and len(asked.choices[0].logprobs.content) > 0  # its own ask
+    assert events and all("token_ids" not in e["choices"][0] for e in events if e["choices"])
+    assert all("prompt_token_ids" not in e for e in events)
+    calls = store.calls(r.id)  # ... while the store has everything
+    assert len(calls) == 3 and all(c.has_token_ids and c.logprobs for c in calls)
+
+
 def test_injection_respects_the_caller(llm_server: LLMTestServer, store: TraceStore) -> None:
     client = _client(llm_server, store)
     with rollout("opt-out", store=store) as r:
