@@ -16,6 +16,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -40,6 +41,22 @@ def hf_max_diff(ckpt: Path, out: dict) -> float:
     return max(abs(a - b) for a, b in zip(got, logp.tolist()))
 
 
+def decode_rate(base_url: str, concurrency: int, tokens: int = 64, rounds: int = 3) -> float:
+    """Completion tokens per second with `concurrency` requests in flight (sampling at T=1)."""
+    body = {"model": "m", "messages": MSGS, "max_tokens": tokens, "temperature": 1.0, "ignore_eos": True}
+
+    def one(_: int) -> int:
+        r = httpx.post(f"{base_url}/chat/completions", json=body, timeout=300)
+        r.raise_for_status()
+        return int(r.json()["usage"]["completion_tokens"])
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, range(concurrency)))  # warm up
+        t0 = time.perf_counter()
+        done = sum(pool.map(one, range(concurrency * rounds)))
+    return round(done / (time.perf_counter() - t0), 1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", choices=("tiny", "smollm2"))
@@ -61,6 +78,7 @@ def main() -> int:
         httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=300).raise_for_status()
         gen_s = time.perf_counter() - t0
         last = variants[args.swaps % 2]
+        throughput = {f"tokens_per_s_concurrency_{c}": decode_rate(server.base_url, c) for c in (1, 8)}
         report = {
             "model": args.model,
             "startup_s": round(server.startup_s or 0, 2),
@@ -73,6 +91,7 @@ def main() -> int:
             "first_after_swap_s": round(first_s, 3),
             "greedy_16_tokens_s": round(gen_s, 3),
             "max_abs_logprob_diff_vs_hf": hf_max_diff(last, out),
+            **throughput,
         }
     print(json.dumps(report, indent=2))
     return 0

@@ -283,6 +283,7 @@ class VLLMServer:
                 f"no vLLM python at {self.python}; run ensure_vllm_env() "
                 "(`lightning-mw vllm-env`) or set LIGHTNING_VLLM_PYTHON"
             )
+        _check_port_free(self.host, self.port)
         self._tmp = tempfile.TemporaryDirectory(prefix="lightning-vllm-")
         pypath = make_server_pythonpath(Path(self._tmp.name) / "path")
         env = server_env(self.device, self.kv_cache_gib, pypath)
@@ -364,6 +365,16 @@ class VLLMServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail in a second with a plain message, not after vLLM's minute of loading."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise VLLMServerError(f"port {port} on {host} is in use ({exc.strerror}); pick another "
+                                  "or leave port=None for a free one") from None
 
 
 def _terminate_group(proc: subprocess.Popen[bytes], timeout: float) -> None:

@@ -79,3 +79,19 @@ def test_publisher_url_and_precheck(tmp_path: Path) -> None:
     # An unreachable server is never contacted for a folder without weights.
     with pytest.raises(PublishError, match="safetensors"):
         WeightPublisher("http://127.0.0.1:9/v1").publish(tmp_path, "x")
+
+
+def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
+    import socket
+
+    from lightning_middleware.serving import VLLMServer, VLLMServerError
+
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\nexit 1\n")  # never reached: the port check comes first
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        server = VLLMServer(tmp_path, port=port, python=fake_python)
+        with pytest.raises(VLLMServerError, match=f"port {port} on 127.0.0.1 is in use"):
+            server.start()
