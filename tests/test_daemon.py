@@ -155,9 +155,11 @@ def test_kill_9_mid_run_trains_nothing_twice_and_loses_nothing(llm_server, model
     done_before = store.train_steps()
     assert done_before, proc.stdout.read().decode()[-2000:]
     # Restart: it releases what the killed run held and carries on from the committed checkpoint.
-    out = subprocess.run(cmd + ["--max-steps", str(6 - len(done_before))], env=env, capture_output=True,
-                         text=True, timeout=300)
+    tb = tmp_path / "tb"
+    out = subprocess.run(cmd + ["--max-steps", str(6 - len(done_before)), "--tensorboard", str(tb)], env=env,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "reward" in out.stdout and list(tb.glob("events.out.tfevents.*"))  # progress lines, TensorBoard
     steps = store.train_steps()
     trained = [rid for s in steps for rid in s.rollout_ids]
     assert len(trained) == len(set(trained)) == 48
