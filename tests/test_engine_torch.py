@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
@@ -15,18 +14,14 @@ from trainer_backend.engine_torch import Engine, TorchEngine, TorchEngineConfig,
 from trainer_backend.grpo import LossConfig  # noqa: E402
 from trainer_backend.rows import Row  # noqa: E402
 
+from tests.tiny_models import save_tiny_qwen2  # noqa: E402
+
 VOCAB = 48
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("tiny_qwen2")
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   tie_word_embeddings=True)
-    transformers.Qwen2ForCausalLM(cfg).save_pretrained(d)
-    (d / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 128}))
+    d = save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), vocab=VOCAB)
     (d / "chat_template.jinja").write_text("{{ messages }}")
     return d
 
