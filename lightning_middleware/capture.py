@@ -52,6 +52,33 @@ def _warn_once(key: str, msg: str, *args: Any) -> None:
         log.warning(msg, *args)
 
 
+# Request-body keys that carry credentials: never stored (the gateway also never forwards them).
+_SECRET_KEYS = frozenset({
+    "api_key", "apikey", "api-key", "openai_api_key", "authorization", "access_token", "token", "secret",
+    "client_secret", "password", "bearer_token", "auth",
+})
+_HEADER_LIKE_KEYS = ("headers", "extra_headers", "default_headers")
+
+
+def scrub_secrets(payload: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The request body without credential fields (top level, and header-like dicts). (body, changed)."""
+    changed = False
+    out: dict[str, Any] = {}
+    for k, v in payload.items():
+        lk = k.lower() if isinstance(k, str) else k
+        if lk in _SECRET_KEYS:
+            changed = True
+            continue
+        if lk in _HEADER_LIKE_KEYS and isinstance(v, dict):
+            kept = {hk: hv for hk, hv in v.items()
+                    if not (isinstance(hk, str) and (hk.lower() in _SECRET_KEYS or hk.lower() in ("x-api-key",)))}
+            if len(kept) != len(v):
+                changed = True
+                v = kept
+        out[k] = v
+    return out, changed
+
+
 def _endpoint_of(path: str) -> str | None:
     for suffix, name in _ENDPOINTS:
         if path.rstrip("/").endswith(suffix):
@@ -163,7 +190,7 @@ class _DeferredCall:
             endpoint=p.endpoint,
             model=p.payload.get("model") or (a.response or {}).get("model"),
             agent_name=p.agent_name,
-            request=p.payload,
+            request=scrub_secrets(p.payload)[0],
             response=a.response,
             prompt_token_ids=tuple(a.prompt_token_ids),
             completion_token_ids=tuple(a.completion_token_ids),

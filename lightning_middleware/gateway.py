@@ -47,7 +47,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .capture import CaptureSettings, install
+from .capture import CaptureSettings, install, scrub_secrets  # noqa: F401  (scrub_secrets: part of this API)
 from .context import RolloutState, _current
 from .records import Mode, Reward, Rollout, RolloutStatus
 from .store import StoreError, TraceStore, get_store
@@ -71,14 +71,6 @@ _DROP_REQUEST_HEADERS = frozenset({
 _DROP_RESPONSE_HEADERS = frozenset({
     "content-length", "transfer-encoding", "connection", "keep-alive", "date", "server", "content-encoding",
 })
-# Request-body keys that carry credentials: removed before the body is forwarded or stored.
-_SECRET_KEYS = frozenset({
-    "api_key", "apikey", "api-key", "openai_api_key", "authorization", "access_token", "token", "secret",
-    "client_secret", "password", "bearer_token", "auth",
-})
-_HEADER_LIKE_KEYS = ("headers", "extra_headers", "default_headers")
-
-
 class GatewayConfigError(ValueError):
     """The gateway was configured unsafely or inconsistently; the message says what to fix."""
 
@@ -101,25 +93,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-def scrub_secrets(payload: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """The request body without credential fields (top level, and header-like dicts). (body, changed)."""
-    changed = False
-    out: dict[str, Any] = {}
-    for k, v in payload.items():
-        lk = k.lower() if isinstance(k, str) else k
-        if lk in _SECRET_KEYS:
-            changed = True
-            continue
-        if lk in _HEADER_LIKE_KEYS and isinstance(v, dict):
-            kept = {hk: hv for hk, hv in v.items()
-                    if not (isinstance(hk, str) and (hk.lower() in _SECRET_KEYS or hk.lower() in ("x-api-key",)))}
-            if len(kept) != len(v):
-                changed = True
-                v = kept
-        out[k] = v
-    return out, changed
 
 
 # --------------------------------------------------------------------------

@@ -179,6 +179,17 @@ def test_caller_gets_only_what_it_asked_for(llm_server: LLMTestServer, store: Tr
     assert len(calls) == 3 and all(c.has_token_ids and c.logprobs for c in calls)
 
 
+def test_credentials_in_the_body_are_never_stored(llm_server: LLMTestServer, store: TraceStore) -> None:
+    client = _client(llm_server, store)
+    with rollout("secret", store=store) as r:
+        client.chat.completions.create(model="m", messages=MSGS, extra_body={
+            "api_key": "sk-live-123", "extra_headers": {"Authorization": "Bearer x", "x-trace": "1"}})
+    [call] = store.calls(r.id)
+    assert "api_key" not in call.request and call.request["extra_headers"] == {"x-trace": "1"}
+    with store.engine.connect() as conn:
+        assert "sk-live-123" not in str(conn.exec_driver_sql("SELECT request FROM llm_calls").all())
+
+
 def test_injection_respects_the_caller(llm_server: LLMTestServer, store: TraceStore) -> None:
     client = _client(llm_server, store)
     with rollout("opt-out", store=store) as r:
