@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "lightning_middleware.export",
     "trainer_backend.daemon",
     "lightning_middleware.gateway",
+    "lightning_middleware.serving",
     "lightning_middleware.demo",
 )
 

@@ -44,7 +44,8 @@ SERVED_NAME = "policy"
 @dataclass
 class DemoConfig:
     out_dir: str = "runs/demo"
-    seed: int = 0
+    seed: int = 0  # RL: train/eval task draws (vLLM sampling itself is not seeded, see make_agent)
+    warm_start_seed: int = 0  # the warm start (tokenizer, init, SFT order); shared by RL seeds, cached
     minutes: float = 10.0  # RL wall-clock budget (evaluations and startup not included)
     mode: str = "async"  # async | sync
     eval_tasks: int = 256
@@ -149,7 +150,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     t_all = time.perf_counter()
 
     say(f"[1/5] warm start (cached under {lightning_home() / 'demo'})")
-    ws_cfg = WarmStartConfig(seed=cfg.seed, **({"sft_steps": cfg.sft_steps} if cfg.sft_steps else {}))
+    ws_cfg = WarmStartConfig(seed=cfg.warm_start_seed, **({"sft_steps": cfg.sft_steps} if cfg.sft_steps else {}))
     t0 = time.perf_counter()
     model_dir = Path(cfg.model_dir) if cfg.model_dir else warm_start(
         lightning_home() / "demo" / f"warmstart-{ws_cfg.key()}", ws_cfg, progress=cfg.progress)
@@ -174,7 +175,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         timings["server_start_s"] = time.perf_counter() - t0
         agent = make_agent(server.base_url, store)
         controller = RolloutController(agent, store=store, backend="asyncio", concurrency=cfg.concurrency,
-                                       timeout_s=120, policy_version=lambda: store.latest_policy_version() or 0)
+                                       timeout_s=120, policy_version=lambda: store.latest_policy_version() or 0,
+                                       policy_version_ttl_s=0.0)  # sync mode must never tag a stale version
 
         say(f"[3/5] baseline on {len(eval_tasks)} held-out tasks")
         before = _evaluate_both(controller, eval_tasks, cfg, "before")
@@ -379,7 +381,8 @@ def add_cli(sub: Any) -> None:
                        description=__doc__.splitlines()[0])
     d = DemoConfig()
     p.add_argument("--out", default=None, help="output dir (default runs/demo-SEED-MODE)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="RL seed: which train/eval tasks")
+    p.add_argument("--warm-start-seed", type=int, default=d.warm_start_seed)
     p.add_argument("--minutes", type=float, default=d.minutes, help="RL time budget")
     p.add_argument("--sync", action="store_true", help="sync RL (no rollouts during updates), for comparison")
     p.add_argument("--eval-tasks", type=int, default=d.eval_tasks)
@@ -403,7 +406,7 @@ def add_cli(sub: Any) -> None:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     mode = "sync" if args.sync else "async"
-    cfg = DemoConfig(out_dir=args.out or f"runs/demo-{args.seed}-{mode}", seed=args.seed, minutes=args.minutes,
+    cfg = DemoConfig(out_dir=args.out or f"runs/demo-{args.seed}-{mode}", seed=args.seed, minutes=args.minutes, warm_start_seed=args.warm_start_seed,
                      mode=mode, eval_tasks=args.eval_tasks, groups_per_step=args.groups_per_step,
                      group_size=args.group_size, groups_in_flight=args.groups_in_flight,
                      max_staleness=args.max_staleness, lr=args.lr, sft_steps=args.sft_steps, threads=args.threads, model_dir=args.model,

@@ -35,6 +35,6 @@ fi
 
 if [ "${LIGHTNING_SKIP_VLLM:-0}" != "1" ] && .venv/bin/python -c "import lightning_middleware.serving" 2>/dev/null; then
   log "preparing the vLLM server environment"
-  .venv/bin/lightning-mw setup-vllm
+  .venv/bin/lightning-mw vllm-env
 fi
 log "ready"

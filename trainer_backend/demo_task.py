@@ -124,7 +124,7 @@ class WarmStartConfig:
     hidden: int = 128
     layers: int = 4
     heads: int = 4
-    sft_steps: int = 60
+    sft_steps: int = 65
     batch_size: int = 32
     lr: float = 3e-3
     warmup_steps: int = 10
