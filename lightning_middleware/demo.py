@@ -54,7 +54,7 @@ class DemoConfig:
     groups_per_step: int = 8
     groups_in_flight: int = 16  # async: groups kept running while the trainer updates
     max_staleness: int = 2
-    lr: float = 1e-4
+    lr: float = 5e-4
     clip: float = 0.2
     sft_steps: int | None = None  # None: WarmStartConfig's default
     model_dir: str | None = None  # start from this HF folder instead of the cached warm start
@@ -205,8 +205,25 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         finished: list[float] = []
         seen = [0]
 
+        trained = [0]
+
         def on_group(group: list[Any]) -> None:
             finished.extend(float(r.reward or 0.0) for r in group)
+
+        def backpressure() -> None:
+            # Bounded staleness by back-pressure: at most `max_staleness` batches of train rollouts
+            # running or finished and not yet trained/skipped by the daemon. Without it the
+            # generator (2x faster than the trainer here) fills the pool with rollouts that go
+            # stale and are dropped, and takes the CPU the trainer needs.
+            ahead = cfg.max_staleness * cfg.groups_per_step * cfg.group_size
+            while not stopping.is_set():
+                taken = trained[0] + sum(daemon.skipped_total.values())
+                outstanding = controller.in_flight + len(finished) - taken
+                if outstanding >= ahead and not controller.paused:
+                    controller.pause()
+                elif outstanding < ahead and controller.paused:
+                    controller.resume()
+                stopping.wait(0.1)
 
         bar = _progress(cfg)
         t_rl = time.perf_counter()
@@ -214,6 +231,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
         def on_step(res: Any) -> None:
             m = res.metrics
+            trained[0] += int(m.get("n_rollouts", 0))
             new, seen[0] = finished[seen[0]:], len(finished)
             success = sum(1 for x in new if x >= 1.0) / len(new) if new else float("nan")
             curve.append({"step": res.step, "t_s": time.perf_counter() - t_rl, "version": res.policy_version,
@@ -243,6 +261,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         if cfg.mode == "async":
             thread = controller.start_continuous(train_tasks, n=cfg.group_size, groups_in_flight=cfg.groups_in_flight,
                                                  on_group=on_group)
+            threading.Thread(target=backpressure, daemon=True, name="demo-backpressure").start()
             daemon.run(on_step=on_step)
             controller.stop()
         else:
@@ -277,7 +296,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             f"curve: {out / 'reward_curve.png'}")
         return results
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
+        handlers = {sig: signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
+                    for sig in (signal.SIGINT, signal.SIGTERM)} if threading.current_thread() is threading.main_thread() else {}
         try:
             if timer is not None:
                 timer.cancel()
@@ -292,7 +312,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 server.stop()
             store.close()
         finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
 
 
 def _evaluate_both(controller: Any, tasks: list[dict[str, Any]], cfg: DemoConfig, tag: str) -> dict[str, Any]:
@@ -423,6 +444,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     for name in ("httpx", "httpx2", "openai", "lightning_middleware.controller", "trainer_backend.rows", "trainer_backend.daemon", "trainer_backend.engine_torch",
                  "lightning_middleware.publisher", "lightning_middleware.serving"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    def _interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as cleanly as Ctrl-C
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background by a shell
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         run_demo(cfg)
     except KeyboardInterrupt:

@@ -82,6 +82,21 @@ def bisection_guesses(secret: int) -> list[int]:
         lo, hi = (g + 1, hi) if secret > g else (lo, g - 1)
 
 
+def demo_decision(secret: int, rng: random.Random, eps: float) -> list[int]:
+    """One SFT demonstration: the exact-bisection guesses before a random turn k, then the
+    guess at turn k, which with probability eps is drawn uniformly from the range still
+    consistent with the answers (else the midpoint). The SFT loss covers only that last guess,
+    and every context is on the bisection tree: the warm-started policy knows the tree (greedy
+    is near-perfect) but at temperature 1 picks the midpoint only ~1-eps of the time."""
+    clean = bisection_guesses(secret)
+    k = rng.randrange(len(clean))
+    lo, hi = LOW, HIGH
+    for g in clean[:k]:
+        lo, hi = (g + 1, hi) if secret > g else (lo, g - 1)
+    last = rng.randint(lo, hi) if rng.random() < eps else clean[k]
+    return clean[:k] + [last]
+
+
 def tool_call_text(n: int) -> str:
     """The assistant turn the hermes parser reads (what the chat template renders back)."""
     return f'<tool_call>\n{{"name": "{TOOL_NAME}", "arguments": {{"n": {n}}}}}\n</tool_call>'
@@ -124,7 +139,9 @@ class WarmStartConfig:
     hidden: int = 128
     layers: int = 4
     heads: int = 4
-    sft_steps: int = 65
+    sft_steps: int = 250
+    noise: float = 0.35  # share of demonstrated decisions drawn at random from the consistent range
+    demos: int = 3000
     batch_size: int = 32
     lr: float = 3e-3
     warmup_steps: int = 10
@@ -173,14 +190,20 @@ def build_base_model(out_dir: str | os.PathLike[str], cfg: WarmStartConfig) -> P
     return Path(out)
 
 
-def sft_example(tok: Any, secret: int) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of one exact-bisection episode; mask 1 on the assistant turns
-    (tool call + <|im_end|>), exactly the tokens the policy samples at run time."""
-    guesses = bisection_guesses(secret)
+def sft_example(tok: Any, secret: int, guesses: Sequence[int] | None = None,
+                last_only: bool = False) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of one episode (default: exact bisection); mask 1 on the assistant
+    turns (tool call + <|im_end|>; only the last one with last_only), exactly the tokens the
+    policy samples at run time."""
+    guesses = list(guesses) if guesses is not None else bisection_guesses(secret)
     msgs = episode_messages(secret, guesses)
+    if last_only:
+        msgs = msgs[:-1]  # the episode ends with the trained guess
     full = tok(_render(tok, msgs, False), add_special_tokens=False)["input_ids"]
     mask = [0] * len(full)
     for k in range(len(guesses)):
+        if last_only and k < len(guesses) - 1:
+            continue
         upto = 2 + 2 * k  # messages before the k-th assistant turn
         start = len(tok(_render(tok, msgs[:upto], True), add_special_tokens=False)["input_ids"])
         end = len(tok(_render(tok, msgs[:upto + 1], False), add_special_tokens=False)["input_ids"]) - 1  # drop "\n"
@@ -206,7 +229,15 @@ def warm_start(out_dir: str | os.PathLike[str], cfg: WarmStartConfig = WarmStart
     torch.set_num_threads(threads)
     build_base_model(tmp, cfg)
     tok = AutoTokenizer.from_pretrained(tmp)
-    examples = [sft_example(tok, s) for s in range(LOW, HIGH + 1)]
+    demo_rng = random.Random(f"demos:{cfg.seed}")
+    cache: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}
+    examples = []
+    for _ in range(cfg.demos):
+        secret = demo_rng.randint(LOW, HIGH)
+        g = tuple(demo_decision(secret, demo_rng, cfg.noise))
+        if (secret, *g) not in cache:
+            cache[(secret, *g)] = sft_example(tok, secret, g, last_only=True)
+        examples.append(cache[(secret, *g)])
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
     model.train()
@@ -214,10 +245,10 @@ def warm_start(out_dir: str | os.PathLike[str], cfg: WarmStartConfig = WarmStart
     # constant after warm-up: the model after k steps is the same whatever sft_steps is (tuning saves several k)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps))
     rng = random.Random(cfg.seed)
-    T = max(len(ids) for ids, _ in examples)
     pad = tok.pad_token_id or 0
     for step in range(cfg.sft_steps):
         batch = [examples[rng.randrange(len(examples))] for _ in range(cfg.batch_size)]
+        T = max(len(x) for x, _ in batch)
         ids = torch.full((len(batch), T), pad, dtype=torch.long)
         attn = torch.zeros_like(ids)
         labels = torch.full_like(ids, -100)
