@@ -163,7 +163,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     eval_tasks = make_tasks(cfg.eval_tasks, cfg.seed, "eval")
     train_tasks = make_tasks(cfg.train_tasks, cfg.seed, "train")
 
-    server = controller = daemon = thread = timer = None
+    server = controller = daemon = thread = timer = bp = None
     stopping = threading.Event()
     results: dict[str, Any] = {"config": asdict(cfg), "warm_start": asdict(ws_cfg), "model_dir": str(model_dir)}
     try:
@@ -224,6 +224,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 elif outstanding < ahead and controller.paused:
                     controller.resume()
                 stopping.wait(0.1)
+            controller.resume()  # the evaluation after RL runs through the same controller
 
         bar = _progress(cfg)
         t_rl = time.perf_counter()
@@ -261,7 +262,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         if cfg.mode == "async":
             thread = controller.start_continuous(train_tasks, n=cfg.group_size, groups_in_flight=cfg.groups_in_flight,
                                                  on_group=on_group)
-            threading.Thread(target=backpressure, daemon=True, name="demo-backpressure").start()
+            bp = threading.Thread(target=backpressure, daemon=True, name="demo-backpressure")
+            bp.start()
             daemon.run(on_step=on_step)
             controller.stop()
         else:
@@ -272,6 +274,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             bar.close()
         if thread is not None:
             thread.join(timeout=120)
+        if bp is not None:
+            bp.join(timeout=5)
+        controller.resume()
         results["curve"] = curve
         results["steps"] = len(curve)
         results["trained_rollouts"] = int(sum(c["rollouts"] for c in curve))
@@ -325,16 +330,23 @@ def _evaluate_both(controller: Any, tasks: list[dict[str, Any]], cfg: DemoConfig
 
 def _run_sync(controller: Any, daemon: Any, tasks: list[dict[str, Any]], cfg: DemoConfig,
               stopping: threading.Event, on_step: Any, on_group: Any) -> None:
-    """Sync RL: sample a batch with the current weights, train, swap, repeat (no overlap)."""
-    i = 0
+    """Sync RL: sample a batch with the current weights, train, swap, repeat (no overlap).
+    Groups with no signal (all rewards equal) are skipped by the daemon; only that many
+    groups are sampled again before the step."""
+    i, need = 0, cfg.groups_per_step
     while not stopping.is_set():
-        batch = [tasks[(i + k) % len(tasks)] for k in range(cfg.groups_per_step)]
-        i += cfg.groups_per_step
+        batch = [tasks[(i + k) % len(tasks)] for k in range(need)]
+        i += need
         on_group(controller.run(batch, n=cfg.group_size))
         if stopping.is_set():
             break
-        res = daemon.step_once()  # None when too few groups had signal: sample more first
-        if res is not None:
+        skipped_before = sum(daemon.skipped_total.values())
+        res = daemon.step_once()
+        if res is None:  # too few groups had signal
+            lost = sum(daemon.skipped_total.values()) - skipped_before
+            need = max(1, lost // cfg.group_size)
+        else:
+            need = cfg.groups_per_step
             on_step(res)
 
 
