@@ -390,9 +390,9 @@ def plot_curve(results: dict[str, Any] | list[tuple[str, dict[str, Any]]], path:
             if tag in res:
                 ax.scatter([x], [res[tag]["sampled"]["success"]], color=color, marker="o", zorder=5, s=40)
         if "before" in res and "after" in res:
-            ax.annotate(f"held-out {res['before']['sampled']['success']:.0%} -> {res['after']['sampled']['success']:.0%}",
-                        (end, res["after"]["sampled"]["success"]), textcoords="offset points",
-                        xytext=(-150, 8 + 14 * k), color=color, fontsize=8)
+            b, a = res["before"]["sampled"]["success"], res["after"]["sampled"]["success"]
+            ax.text(0.02, 0.95 - 0.07 * k, f"{label}: held-out (dots) {b:.1%} -> {a:.1%}", color=color,
+                    transform=ax.transAxes, fontsize=8, va="top")
     ax.set_xlabel("minutes of RL")
     ax.set_ylabel("success (train rollouts, T=1)")
     ax.set_ylim(0, 1)
