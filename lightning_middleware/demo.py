@@ -60,7 +60,7 @@ class DemoConfig:
     model_dir: str | None = None  # start from this HF folder instead of the cached warm start
     greedy: bool = True  # also evaluate greedily
     concurrency: int = 128
-    threads: int | None = None  # torch threads in the trainer (None: torch's default)
+    threads: int | None = None  # torch threads in the trainer (None: 1 in async mode, all cores in sync)
     max_steps: int | None = None
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
@@ -184,10 +184,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         say(f"      success {before['sampled']['success']:.1%} sampled (T=1)"
             + (f", {before['greedy']['success']:.1%} greedy" if cfg.greedy else ""))
 
-        if cfg.threads:
-            import torch
+        import torch
 
-            torch.set_num_threads(cfg.threads)
+        # async: one trainer thread, the other core samples; sync: vLLM idles while the trainer
+        # runs, so torch's default (all cores). As measured in docs/benchmarks.md.
+        torch.set_num_threads(cfg.threads or (1 if cfg.mode == "async" else (os.cpu_count() or 1)))
         engine = TorchEngine(model_dir, TorchEngineConfig(lr=cfg.lr, freeze_embeddings=True,
                                                           loss=LossConfig(clip_low=cfg.clip, clip_high=cfg.clip)))
         daemon = TrainerDaemon(
