@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "trainer_backend.daemon",
     "lightning_middleware.gateway",
     "lightning_middleware.serving",
+    "lightning_middleware.demo",
 )
 
 

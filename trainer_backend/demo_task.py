@@ -1,0 +1,294 @@
+"""The demo's task, its tiny model and the warm-start (SFT) script.
+
+Task: guess a secret number 1..15 in at most 4 guesses with a ``guess`` tool that
+answers ``higher`` / ``lower`` / ``correct``; reward 1 if the number is found
+within 4 guesses. Exact bisection (8, then 4/12, ...) always wins, so the task has
+a clear optimum and a smooth path to it: a policy that picks the midpoint with
+probability p per turn succeeds with roughly p^3..p^4.
+
+Everything is built locally (no hub): a byte-level BPE trained on rendered
+episodes, a Qwen2-style model (width 256, 4 layers, tied embeddings, ~3M
+parameters), then a short SFT on exact-bisection demonstrations. The SFT is
+deliberately short so the warm-started policy samples the right guess only most
+of the time (baseline 10-60% success at temperature 1): RL through the middleware
+then has something to improve.
+
+The game rules, prompts and tool schema are plain Python (the agent process
+imports them); torch / transformers are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+log = logging.getLogger(__name__)
+
+LOW, HIGH, MAX_GUESSES = 1, 15, 4
+SYSTEM = "Find the secret number with the guess tool."
+USER = f"I picked a number from {LOW} to {HIGH}. You have {MAX_GUESSES} guesses."
+TOOL_NAME = "guess"
+TOOL_DESCRIPTION = "Guess the number. Answers higher, lower or correct."
+
+# The tool as LangChain's convert_to_openai_tool writes it for `def guess(n: int)`
+# with the description above, and as vLLM hands it to the chat template (checked
+# against the server's /tokenize by tests/test_demo.py).
+TOOL_SCHEMA: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": TOOL_NAME,
+        "description": TOOL_DESCRIPTION,
+        "parameters": {"properties": {"n": {"type": "integer"}}, "required": ["n"], "type": "object"},
+    },
+}
+
+
+# ------------------------------------------------------------------ the game
+
+def answer(secret: int, n: Any) -> str:
+    """What the guess tool says."""
+    try:
+        n = int(n)
+    except (TypeError, ValueError):
+        return "invalid"
+    if n == secret:
+        return "correct"
+    return "higher" if secret > n else "lower"
+
+
+def make_tasks(n: int, seed: int, prefix: str) -> list[dict[str, Any]]:
+    """n tasks with secrets drawn uniformly from LOW..HIGH (a fixed seed, its own stream per prefix)."""
+    rng = random.Random(f"{prefix}:{seed}")
+    return [{"task_id": f"{prefix}-{i}", "secret": rng.randint(LOW, HIGH)} for i in range(n)]
+
+
+def bisection_guesses(secret: int) -> list[int]:
+    lo, hi, out = LOW, HIGH, []
+    while True:
+        g = (lo + hi) // 2
+        out.append(g)
+        if g == secret:
+            return out
+        lo, hi = (g + 1, hi) if secret > g else (lo, g - 1)
+
+
+def demo_decision(secret: int, rng: random.Random, eps: float) -> list[int]:
+    """One SFT demonstration: the exact-bisection guesses before a random turn k, then the
+    guess at turn k, which with probability eps is drawn uniformly from the range still
+    consistent with the answers (else the midpoint). The SFT loss covers only that last guess,
+    and every context is on the bisection tree: the warm-started policy knows the tree (greedy
+    is near-perfect) but at temperature 1 picks the midpoint only ~1-eps of the time."""
+    clean = bisection_guesses(secret)
+    k = rng.randrange(len(clean))
+    lo, hi = LOW, HIGH
+    for g in clean[:k]:
+        lo, hi = (g + 1, hi) if secret > g else (lo, g - 1)
+    last = rng.randint(lo, hi) if rng.random() < eps else clean[k]
+    return clean[:k] + [last]
+
+
+def tool_call_text(n: int) -> str:
+    """The assistant turn the hermes parser reads (what the chat template renders back)."""
+    return f'<tool_call>\n{{"name": "{TOOL_NAME}", "arguments": {{"n": {n}}}}}\n</tool_call>'
+
+
+def episode_messages(secret: int, guesses: Sequence[int]) -> list[dict[str, Any]]:
+    """An episode in OpenAI message form (as the LangChain agent sends it)."""
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
+    for i, g in enumerate(guesses):
+        call_id = f"call_{i}"
+        msgs.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function",
+             "function": {"name": TOOL_NAME, "arguments": json.dumps({"n": g})}}]})
+        msgs.append({"role": "tool", "tool_call_id": call_id, "content": answer(secret, g)})
+    return msgs
+
+
+# ------------------------------------------------------------------ model + tokenizer
+
+def demo_chat_template() -> str:
+    """The tiny model's ChatML template with a shorter tools preamble: tools still render as
+    JSON inside <tools></tools>, calls as hermes <tool_call> blocks, results as <tool_response>;
+    ~60 fewer prompt tokens per call than the Qwen2.5-style preamble (sequences are ~30% shorter,
+    so SFT and RL steps are faster)."""
+    from trainer_backend.models import CHAT_TEMPLATE
+
+    long = ("{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}\n"
+            "{{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}")
+    tail = ("{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+            "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+            "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}")
+    assert long in CHAT_TEMPLATE and tail in CHAT_TEMPLATE, "models.CHAT_TEMPLATE changed"
+    return CHAT_TEMPLATE.replace(long, "{{- '<tools>' }}").replace(tail, "{{- '\\n</tools><|im_end|>\\n' }}")
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    seed: int = 0
+    vocab_size: int = 1024
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    sft_steps: int = 250
+    noise: float = 0.35  # share of demonstrated decisions drawn at random from the consistent range
+    demos: int = 3000
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup_steps: int = 10
+
+    def key(self) -> str:
+        return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+
+
+def _render(tok: Any, msgs: list[dict[str, Any]], generation_prompt: bool) -> str:
+    return tok.apply_chat_template(msgs, tools=[TOOL_SCHEMA], tokenize=False,
+                                   add_generation_prompt=generation_prompt)
+
+
+def build_base_model(out_dir: str | os.PathLike[str], cfg: WarmStartConfig) -> Path:
+    """Tokenizer trained on rendered episodes (so the fixed prompt is few tokens and every
+    number 1..15 is one token) and a random tied-embedding Qwen2 model."""
+    from transformers import PreTrainedTokenizerFast
+
+    from trainer_backend.models import _save_tokenizer, _train_tokenizer, build_tiny_model, \
+        default_corpus
+
+    with tempfile.TemporaryDirectory() as tmp:  # a throwaway tokenizer, only to render the template
+        _save_tokenizer(_train_tokenizer(default_corpus(300), 300), Path(tmp), demo_chat_template())
+        boot = PreTrainedTokenizerFast.from_pretrained(tmp)
+        texts = []
+        for secret in range(LOW, HIGH + 1):
+            g = bisection_guesses(secret)
+            texts.append(_render(boot, episode_messages(secret, g), False))
+        # also non-bisection guesses, so every number and answer appears in every position
+        rng = random.Random(cfg.seed)
+        for _ in range(200):
+            secret = rng.randint(LOW, HIGH)
+            g = [rng.randint(LOW, HIGH) for _ in range(rng.randint(1, MAX_GUESSES))]
+            texts.append(_render(boot, episode_messages(secret, g), False))
+        texts += [json.dumps({"n": n}) for n in range(LOW, HIGH + 1)] * 50
+    out = build_tiny_model(out_dir, corpus_texts=texts * 4, vocab_size=cfg.vocab_size, hidden=cfg.hidden,
+                           layers=cfg.layers, heads=cfg.heads, max_position=1024, tie_word_embeddings=True,
+                           seed=cfg.seed, init_std=0.02)
+    tok = PreTrainedTokenizerFast.from_pretrained(out)
+    tok.chat_template = demo_chat_template()
+    tok.save_pretrained(out)
+    cfg_path = Path(out) / "tokenizer_config.json"  # as models._save_tokenizer: a class name both envs know
+    tc = json.loads(cfg_path.read_text())
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(tc, indent=2))
+    return Path(out)
+
+
+def sft_example(tok: Any, secret: int, guesses: Sequence[int] | None = None,
+                last_only: bool = False) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of one episode (default: exact bisection); mask 1 on the assistant
+    turns (tool call + <|im_end|>; only the last one with last_only), exactly the tokens the
+    policy samples at run time."""
+    guesses = list(guesses) if guesses is not None else bisection_guesses(secret)
+    msgs = episode_messages(secret, guesses)
+    if last_only:
+        msgs = msgs[:-1]  # the episode ends with the trained guess
+    full = tok(_render(tok, msgs, False), add_special_tokens=False)["input_ids"]
+    mask = [0] * len(full)
+    for k in range(len(guesses)):
+        if last_only and k < len(guesses) - 1:
+            continue
+        upto = 2 + 2 * k  # messages before the k-th assistant turn
+        start = len(tok(_render(tok, msgs[:upto], True), add_special_tokens=False)["input_ids"])
+        end = len(tok(_render(tok, msgs[:upto + 1], False), add_special_tokens=False)["input_ids"]) - 1  # drop "\n"
+        for i in range(start, end):
+            mask[i] = 1
+    return full, mask
+
+
+def warm_start(out_dir: str | os.PathLike[str], cfg: WarmStartConfig = WarmStartConfig(),
+               progress: bool = True, save_at: Sequence[int] = (), threads: int = 1) -> Path:
+    """Build the model and run the SFT warm start; cached (a folder with `.done` is reused)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out_dir)
+    if (out / ".done").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.perf_counter()
+    # One thread: on 2 shared cores, torch's OpenMP threads spin against each other and
+    # against other processes (measured 5-7x slower than one thread under load).
+    torch.set_num_threads(threads)
+    build_base_model(tmp, cfg)
+    tok = AutoTokenizer.from_pretrained(tmp)
+    demo_rng = random.Random(f"demos:{cfg.seed}")
+    cache: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}
+    examples = []
+    for _ in range(cfg.demos):
+        secret = demo_rng.randint(LOW, HIGH)
+        g = tuple(demo_decision(secret, demo_rng, cfg.noise))
+        if (secret, *g) not in cache:
+            cache[(secret, *g)] = sft_example(tok, secret, g, last_only=True)
+        examples.append(cache[(secret, *g)])
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    # constant after warm-up: the model after k steps is the same whatever sft_steps is (tuning saves several k)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps))
+    rng = random.Random(cfg.seed)
+    pad = tok.pad_token_id or 0
+    for step in range(cfg.sft_steps):
+        batch = [examples[rng.randrange(len(examples))] for _ in range(cfg.batch_size)]
+        T = max(len(x) for x, _ in batch)
+        ids = torch.full((len(batch), T), pad, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        labels = torch.full_like(ids, -100)
+        for b, (x, m) in enumerate(batch):
+            ids[b, :len(x)] = torch.tensor(x)
+            attn[b, :len(x)] = 1
+            labels[b, :len(x)] = torch.tensor([t if k else -100 for t, k in zip(x, m)])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step + 1 in save_at:  # tuning: snapshots next to the output
+            model.save_pretrained(tmp, safe_serialization=True)
+            shutil.copytree(tmp, out.with_name(f"{out.name}-step{step + 1}"), dirs_exist_ok=True)
+        if progress and (step % 10 == 0 or step == cfg.sft_steps - 1):
+            print(f"  warm start step {step + 1}/{cfg.sft_steps}  loss {loss.item():.3f}", flush=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    (tmp / "warm_start.json").write_text(json.dumps({**asdict(cfg), "seconds": time.perf_counter() - t0}, indent=2))
+    (tmp / ".done").write_text("ok")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log.info("warm start written to %s in %.0f s", out, time.perf_counter() - t0)
+    return out
+
+
+def _main(argv: Sequence[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m trainer_backend.demo_task", description="build the demo's warm start")
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sft-steps", type=int, default=WarmStartConfig.sft_steps)
+    a = p.parse_args(argv)
+    print(warm_start(a.out_dir, WarmStartConfig(seed=a.seed, sft_steps=a.sft_steps)))
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    sys.exit(_main(sys.argv[1:]))
