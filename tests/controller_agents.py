@@ -99,3 +99,19 @@ def max_overlap(rollouts: Any) -> int:
         cur += d
         best = max(best, cur)
     return best
+
+
+def kill_when_announced(pidfile: str, timeout_s: float = 60.0) -> threading.Thread:
+    """Start a thread that SIGKILLs the worker whose agent writes its pid to `pidfile`."""
+    import signal
+
+    def killer() -> None:
+        end = time.monotonic() + timeout_s
+        while not os.path.exists(pidfile) and time.monotonic() < end:
+            time.sleep(0.02)
+        with open(pidfile) as f:
+            os.kill(int(f.read()), signal.SIGKILL)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    return thread

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -151,14 +149,7 @@ def test_process_backend_killed_worker_and_hard_timeout(llm_server: LLMTestServe
     tasks[0]["pidfile"] = pidfile  # first attempt announces its pid and hangs: we kill -9 it
     tasks[1]["sleep"] = 30  # SIGALRM timeout inside the worker
 
-    def killer() -> None:
-        end = time.monotonic() + 60
-        while not os.path.exists(pidfile) and time.monotonic() < end:
-            time.sleep(0.02)
-        os.kill(int(Path(pidfile).read_text()), signal.SIGKILL)
-
-    k = threading.Thread(target=killer)
-    k.start()
+    k = A.kill_when_announced(pidfile)
     with RolloutController(A.tool_agent, store=sq, backend="process", workers=3, concurrency=3, timeout_s=4,
                            retry=RetryPolicy(backoff_s=0.01)) as c:
         killed, slow, ok = c.run(tasks)

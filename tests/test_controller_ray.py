@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -59,14 +55,7 @@ def test_ray_sync_agent_and_killed_actor(llm_server: LLMTestServer, sq: TraceSto
     tasks = _tasks(llm_server, sq, 3)
     tasks[0]["pidfile"] = pidfile
 
-    def killer() -> None:
-        end = time.monotonic() + 60
-        while not os.path.exists(pidfile) and time.monotonic() < end:
-            time.sleep(0.02)
-        os.kill(int(Path(pidfile).read_text()), signal.SIGKILL)
-
-    k = threading.Thread(target=killer)
-    k.start()
+    k = A.kill_when_announced(pidfile)
     with RolloutController(A.tool_agent, store=sq, backend="ray", workers=2, concurrency=2,
                            retry=RetryPolicy(backoff_s=0.5, max_attempts=4)) as c:
         results = c.run(tasks, n=2)
