@@ -23,7 +23,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.lightning-setup
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+# The stamp alone is not enough: a venv copied or restored without the editable install has no CLI.
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || [ ! -x .venv/bin/lightning-mw ]; then
   log "installing the project and its extras into .venv (first time: several minutes)"
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first, pinned: the CPU wheel on this machine kind. Left to the resolver, a dependency
