@@ -4,7 +4,7 @@
 
 Starts the deterministic test server (`lightning_middleware.testing`) and the
 gateway (`lightning-mw gateway`, SQLite store in a temp dir) as subprocesses on
-loopback, then measures from this process with an asyncio httpx client:
+loopback, then measures from this process with an asyncio aiohttp client:
 
 - sequential per-call latency p50/p99 (one call at a time),
 - per-call latency p50/p99 and throughput at `--conc` concurrent callers,
@@ -30,7 +30,9 @@ import tempfile
 import time
 import uuid
 
+import aiohttp
 import httpx
+import orjson
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -62,22 +64,23 @@ def _body(i: int, stream: bool, direct: bool) -> dict:
     return body
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict) -> float:
+async def _one(session: aiohttp.ClientSession, url: str, body: dict) -> float:
     t0 = time.perf_counter()
-    if body["stream"]:
-        async with client.stream("POST", url, json=body) as r:
-            async for _ in r.aiter_raw():
+    async with session.post(url, data=orjson.dumps(body), headers={"content-type": "application/json"}) as r:
+        if body["stream"]:
+            async for _ in r.content.iter_any():
                 pass
-            assert r.status_code == 200, r.status_code
-    else:
-        r = await client.post(url, json=body)
-        assert r.status_code == 200, r.text
+        else:
+            await r.read()
+        assert r.status == 200, r.status
     return time.perf_counter() - t0
 
 
 async def _phase(urls: list[str], stream: bool, direct: bool, callers: int, total: int, max_s: float) -> dict:
-    limits = httpx.Limits(max_connections=callers * 2, max_keepalive_connections=callers * 2)
-    async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+    # The load generator is aiohttp (C parser, cheap pool) so that it is not what limits the direct
+    # path: with an httpx client at 32 concurrent, its own pool work capped the direct req/s.
+    connector = aiohttp.TCPConnector(limit=callers * 2)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as client:
         for url in urls[:callers]:  # warm the connections
             body = _body(-1, stream, direct)
             body["messages"][1]["content"] += f" warm {uuid.uuid4().hex}"
@@ -103,10 +106,11 @@ async def _phase(urls: list[str], stream: bool, direct: bool, callers: int, tota
             "mean": statistics.fmean(lat) * 1000, "rps": len(lat) / wall}
 
 
-def _start_gateway(upstream: str, store_url: str, port: int, log_path: str) -> subprocess.Popen:
+def _start_gateway(upstream: str, store_url: str, port: int, log_path: str, client: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "lightning_middleware.cli", "gateway", "--upstream", upstream,
-                             "--store", store_url, "--port", str(port), "--policy-version", "1"],
+                             "--store", store_url, "--port", str(port), "--policy-version", "1",
+                             "--upstream-client", client],
                             env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -121,6 +125,15 @@ def _start_gateway(upstream: str, store_url: str, port: int, log_path: str) -> s
     raise TimeoutError("gateway did not start")
 
 
+def _rollout_urls(gw_url: str, n: int) -> tuple[list[str], list[str]]:
+    rids = []
+    for k in range(n):
+        rid = f"bench-{uuid.uuid4().hex[:10]}"
+        httpx.post(gw_url + "/rollouts", json={"id": rid, "task_id": f"bench-{k % 4}"}).raise_for_status()
+        rids.append(rid)
+    return rids, [f"{gw_url}/rollouts/{rid}/v1/chat/completions" for rid in rids]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=200, help="sequential calls per phase")
@@ -130,80 +143,90 @@ def main() -> int:
     ap.add_argument("--engine-ms", type=float, default=0.0,
                     help="time the test server takes per completion, as a real engine would (the reference "
                          "anchor's upstream answered in ~15 ms); 0 = answer at once (gateway CPU-bound)")
+    ap.add_argument("--clients", default="aiohttp,httpx",
+                    help="gateway upstream clients to compare (one gateway process each)")
     args = ap.parse_args()
+    clients = [c for c in args.clients.split(",") if c]
 
     tmp = tempfile.mkdtemp(prefix="bench_gw_")
     store_url = f"sqlite:///{tmp}/traces.db"
-    port = free_port()
+    names = ["direct"] + [f"gw-{c}" for c in clients]
+    results: dict[tuple[str, bool, str], dict] = {}
+    cpu: dict[tuple[str, bool], tuple] = {}
+    all_rids: list[str] = []
+    states = {}
     with LLMTestServer(latency_ms=args.engine_ms) as server:
-        log_path = os.path.join(tmp, "gateway.log")
-        gw = _start_gateway(server.base_url, store_url, port, log_path)
+        gws: dict[str, tuple[subprocess.Popen, str]] = {}
         try:
-            gw_url = f"http://127.0.0.1:{port}"
-            rids = []
-            for k in range(args.conc):
-                rid = f"bench-{uuid.uuid4().hex[:10]}"
-                httpx.post(gw_url + "/rollouts", json={"id": rid, "task_id": f"bench-{k % 4}"}).raise_for_status()
-                rids.append(rid)
-            gw_urls = [f"{gw_url}/rollouts/{rid}/v1/chat/completions" for rid in rids]
-            direct_urls = [server.base_url + "/chat/completions"]
-            results: dict[tuple[str, bool, str], dict] = {}
-            cpu: dict[tuple[str, bool], tuple] = {}
+            for c in clients:
+                port = free_port()
+                gws[f"gw-{c}"] = (_start_gateway(server.base_url, store_url, port,
+                                                 os.path.join(tmp, f"gateway-{c}.log"), c), f"http://127.0.0.1:{port}")
+            urls: dict[str, tuple[list[str], bool]] = {"direct": ([server.base_url + "/chat/completions"], True)}
+            for name, (_, gw_url) in gws.items():
+                rids, gw_urls = _rollout_urls(gw_url, args.conc)
+                all_rids += rids
+                urls[name] = (gw_urls, False)
             for stream in (False, True):
-                for name, urls, direct in (("direct", direct_urls, True), ("gateway", gw_urls, False)):
+                for name in names:
                     print(f"... {name} {'stream' if stream else 'non-stream'}", file=sys.stderr, flush=True)
-                    cpu0 = (_cpu_s(server._proc.pid), _cpu_s(gw.pid))  # type: ignore[union-attr]
+                    gw_pid = gws[name][0].pid if name in gws else None
+                    cpu0 = (_cpu_s(server._proc.pid), gw_pid and _cpu_s(gw_pid))  # type: ignore[union-attr]
+                    phase_urls, direct = urls[name]
                     results[(name, stream, "seq")] = asyncio.run(
-                        _phase(urls, stream, direct, 1, args.seq, args.max_seconds))
+                        _phase(phase_urls, stream, direct, 1, args.seq, args.max_seconds))
                     results[(name, stream, "conc")] = asyncio.run(
-                        _phase(urls, stream, direct, args.conc, args.conc_requests, args.max_seconds))
-                    cpu1 = (_cpu_s(server._proc.pid), _cpu_s(gw.pid))  # type: ignore[union-attr]
+                        _phase(phase_urls, stream, direct, args.conc, args.conc_requests, args.max_seconds))
+                    cpu1 = (_cpu_s(server._proc.pid), gw_pid and _cpu_s(gw_pid))  # type: ignore[union-attr]
                     n = results[(name, stream, "seq")]["n"] + results[(name, stream, "conc")]["n"] + args.conc + 1
                     cpu[(name, stream)] = tuple(
-                        None if a is None or b is None else (b - a) * 1000 / n for a, b in zip(cpu0, cpu1))
-            for rid in rids:
-                httpx.post(gw_url + f"/rollouts/{rid}/finish", json={"reward": 1.0}, timeout=60).raise_for_status()
-            state = httpx.get(gw_url + "/admin/state").json()
+                        None if not a or not b else (b - a) * 1000 / n for a, b in zip(cpu0, cpu1))
+            for name, (_, gw_url) in gws.items():
+                for rid_url in urls[name][0]:
+                    rid = rid_url.split("/rollouts/")[1].split("/")[0]
+                    httpx.post(gw_url + f"/rollouts/{rid}/finish", json={"reward": 1.0}, timeout=60).raise_for_status()
+                states[name] = httpx.get(gw_url + "/admin/state").json()["counters"]
         finally:
-            gw.terminate()
-            gw.wait(15)
+            for proc, _ in gws.values():
+                proc.terminate()
+                proc.wait(15)
 
     from lightning_middleware import TraceStore
 
     store = TraceStore(store_url)
     recorded = store.count("llm_calls")
-    training = sum(len(v) for v in store.calls_for(rids, training_only=True).values())
+    training = sum(len(v) for v in store.calls_for(all_rids, training_only=True).values())
     store.close()
     shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"gateway benchmark: {os.cpu_count()} cores, loopback, Python {sys.version.split()[0]}, "
-          f"SQLite store, engine {args.engine_ms:g} ms/completion; sequential n={args.seq}, "
-          f"{args.conc} concurrent n<={args.conc_requests}, "
-          f"cap {args.max_seconds:g}s/phase")
-    header = f"{'mode':10s} {'metric':26s} {'direct':>10s} {'gateway':>10s} {'added':>10s} {'ratio':>7s}"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"gateway benchmark: {os.cpu_count()} cores (load average {load:.1f}), loopback, Python "
+          f"{sys.version.split()[0]}, SQLite store, engine {args.engine_ms:g} ms/completion; sequential n={args.seq}, "
+          f"{args.conc} concurrent n<={args.conc_requests}, cap {args.max_seconds:g}s/phase")
+    header = f"{'mode':10s} {'metric':26s}" + "".join(f" {n:>10s}" for n in names) + "".join(
+        f" {'added ' + n[3:]:>14s}" for n in names[1:])
     print(header)
     print("-" * len(header))
     for stream in (False, True):
         mode = "stream" if stream else "non-stream"
-        d_seq, g_seq = results[("direct", stream, "seq")], results[("gateway", stream, "seq")]
-        d_c, g_c = results[("direct", stream, "conc")], results[("gateway", stream, "conc")]
-        rows = [
-            ("p50 ms, sequential", d_seq["p50"], g_seq["p50"]),
-            ("p99 ms, sequential", d_seq["p99"], g_seq["p99"]),
-            (f"p50 ms, {args.conc} concurrent", d_c["p50"], g_c["p50"]),
-            (f"p99 ms, {args.conc} concurrent", d_c["p99"], g_c["p99"]),
-        ]
-        for label, d, g in rows:
-            print(f"{mode:10s} {label:26s} {d:10.2f} {g:10.2f} {g - d:+10.2f} {g / d:6.2f}x")
-        print(f"{mode:10s} {'req/s, ' + str(args.conc) + ' concurrent':26s} {d_c['rps']:10.1f} {g_c['rps']:10.1f} "
-              f"{g_c['rps'] - d_c['rps']:+10.1f} {g_c['rps'] / d_c['rps']:6.2f}x")
-        (srv_d, _), (srv_g, gw_cpu) = cpu[("direct", stream)], cpu[("gateway", stream)]
-        if srv_d is not None and srv_g is not None and gw_cpu is not None:
-            print(f"{mode:10s} {'CPU ms/call (engine+gw)':26s} {srv_d:10.2f} {srv_g + gw_cpu:10.2f} "
-                  f"{srv_g + gw_cpu - srv_d:+10.2f} {(srv_g + gw_cpu) / srv_d:6.2f}x   (gateway process: {gw_cpu:.2f})")
-        print(f"{mode:10s} {'calls measured (seq/conc)':26s} {d_seq['n']:>4d}/{d_c['n']:<5d} "
-              f"{g_seq['n']:>4d}/{g_c['n']:<5d}")
-    print(f"recorded llm_calls: {recorded} (training: {training}); gateway counters: {state['counters']}")
+        rows = [("p50 ms, sequential", "seq", "p50"), ("p99 ms, sequential", "seq", "p99"),
+                (f"p50 ms, {args.conc} concurrent", "conc", "p50"), (f"p99 ms, {args.conc} concurrent", "conc", "p99")]
+        for label, phase, key in rows:
+            vals = [results[(n, stream, phase)][key] for n in names]
+            print(f"{mode:10s} {label:26s}" + "".join(f" {v:10.2f}" for v in vals)
+                  + "".join(f" {v - vals[0]:+14.2f}" for v in vals[1:]))
+        rps = [results[(n, stream, "conc")]["rps"] for n in names]
+        print(f"{mode:10s} {'req/s, ' + str(args.conc) + ' concurrent':26s}" + "".join(f" {v:10.1f}" for v in rps)
+              + "".join(f" {v / rps[0]:13.2f}x" for v in rps[1:]))
+        engine_cpu = [cpu[(n, stream)][0] for n in names]
+        gw_cpu = [cpu[(n, stream)][1] for n in names]
+        if None not in engine_cpu:
+            print(f"{mode:10s} {'CPU ms/call, engine':26s}" + "".join(f" {v:10.2f}" for v in engine_cpu))
+        if None not in gw_cpu[1:]:
+            print(f"{mode:10s} {'CPU ms/call, gateway':26s} {'':>10s}" + "".join(f" {v:10.2f}" for v in gw_cpu[1:]))
+        print(f"{mode:10s} {'calls measured (seq/conc)':26s}" + "".join(
+            f" {results[(n, stream, 'seq')]['n']:>4d}/{results[(n, stream, 'conc')]['n']:<5d}" for n in names))
+    print(f"recorded llm_calls: {recorded} (training: {training}); gateway counters: {states}")
     return 0
 
 

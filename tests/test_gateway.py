@@ -24,7 +24,7 @@ import pytest
 import sqlalchemy as sa
 
 from lightning_middleware import TraceStore
-from lightning_middleware.gateway import Gateway, GatewayConfigError, scrub_secrets
+from lightning_middleware.gateway import UPSTREAM_CLIENTS, Gateway, GatewayConfigError, scrub_secrets
 from lightning_middleware.testing import LLMTestServer, free_port, render_chat, tokenize
 
 MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 2+2?"}]
@@ -63,9 +63,11 @@ def gw(llm_server: LLMTestServer, store: TraceStore) -> Iterator[Gateway]:
         yield g
 
 
-@pytest.fixture
-def gw_lite(llm_server: LLMTestServer, sqlite_store: TraceStore) -> Iterator[Gateway]:
-    with Gateway([llm_server.base_url], sqlite_store, health_interval_s=0.5, max_body_bytes=64 * 1024) as g:
+@pytest.fixture(params=UPSTREAM_CLIENTS)
+def gw_lite(request, llm_server: LLMTestServer, sqlite_store: TraceStore) -> Iterator[Gateway]:
+    # Both upstream clients (aiohttp, the default, and httpx's httpcore) behave the same to callers and capture.
+    with Gateway([llm_server.base_url], sqlite_store, health_interval_s=0.5, max_body_bytes=64 * 1024,
+                 upstream_client=request.param) as g:
         yield g
 
 
@@ -348,9 +350,11 @@ class _Blackhole:
         self.sock.close()
 
 
-def test_upstream_down_is_502_and_stalled_is_504(sqlite_store: TraceStore, llm_server: LLMTestServer) -> None:
+@pytest.mark.parametrize("client", UPSTREAM_CLIENTS)
+def test_upstream_down_is_502_and_stalled_is_504(client: str, sqlite_store: TraceStore,
+                                                 llm_server: LLMTestServer) -> None:
     dead = f"http://127.0.0.1:{free_port()}/v1"
-    with Gateway([dead], sqlite_store, health_interval_s=0) as gw:
+    with Gateway([dead], sqlite_store, health_interval_s=0, upstream_client=client) as gw:
         rid = _create(gw)["id"]
         r = httpx.post(gw.rollout_base_url(rid) + "/chat/completions", json={"model": "m", "messages": MSGS})
         assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unreachable"
@@ -360,7 +364,8 @@ def test_upstream_down_is_502_and_stalled_is_504(sqlite_store: TraceStore, llm_s
         assert call.status_code is None and not call.is_training and "Connect" in call.error
     hole = _Blackhole()
     try:
-        with Gateway([hole.url], sqlite_store, health_interval_s=0, upstream_timeout_s=0.5) as gw:
+        with Gateway([hole.url], sqlite_store, health_interval_s=0, upstream_timeout_s=0.5,
+                     upstream_client=client) as gw:
             rid = _create(gw)["id"]
             r = httpx.post(gw.rollout_base_url(rid) + "/chat/completions", json={"model": "m", "messages": MSGS})
             assert r.status_code == 504 and r.json()["error"]["type"] == "upstream_timeout"
@@ -369,7 +374,8 @@ def test_upstream_down_is_502_and_stalled_is_504(sqlite_store: TraceStore, llm_s
             assert not call.is_training and "Timeout" in call.error
     finally:
         hole.close()
-    with Gateway([llm_server.base_url], sqlite_store, health_interval_s=0, upstream_timeout_s=0.3) as gw:
+    with Gateway([llm_server.base_url], sqlite_store, health_interval_s=0, upstream_timeout_s=0.3,
+                 upstream_client=client) as gw:
         rid = _create(gw)["id"]
         r = httpx.post(gw.rollout_base_url(rid) + "/chat/completions",
                        json={"model": "m", "messages": MSGS, "stream": True}, headers={"x-test-delay": "1"})
