@@ -122,6 +122,8 @@ MODELS = {
     # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
     "qwen2-h256-l4": (256, 4, 4, 2, 1024, 16384),
     "qwen2-30M": (512, 8, 8, 2, 1408, 16384),
+    # SmolLM2-135M's shape (Llama, tied), random weights: the real model the project serves on CPU.
+    "smollm2-135M": (576, 30, 9, 3, 1536, 49152),
 }
 
 
@@ -129,11 +131,13 @@ def make_model(d: str, name: str) -> tuple[str, int, tuple]:
     import transformers
 
     hidden, layers, heads, kv, inter, vocab = MODELS[name]
-    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                                   max_position_embeddings=4096, tie_word_embeddings=True)
+    llama = name.startswith("smollm2")
+    config_cls = transformers.LlamaConfig if llama else transformers.Qwen2Config
+    cfg = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                     num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                     max_position_embeddings=4096, tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(cfg)
+    model = (transformers.LlamaForCausalLM if llama else transformers.Qwen2ForCausalLM)(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     path = os.path.join(d, name)
     model.save_pretrained(path)
@@ -224,7 +228,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4, help="training rows per step")
     ap.add_argument("--length", type=int, default=512, help="tokens per training row")
     ap.add_argument("--quick", action="store_true", help="smaller everything (a smoke run)")
+    ap.add_argument("--models", default="qwen2-h256-l4,qwen2-30M", help=f"comma list of {', '.join(MODELS)}")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16 (autocast)")
     args = ap.parse_args()
+    unknown = set(args.models.split(",")) - set(MODELS) | set(args.dtypes.split(",")) - {"fp32", "bf16"}
+    if unknown:
+        ap.error(f"unknown model or dtype: {', '.join(sorted(unknown))}")
     t_start = time.perf_counter()
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), python {platform.python_version()}; "
@@ -255,9 +264,9 @@ def main() -> None:
     n_rows, length = (4, 256) if args.quick else (args.rows, args.length)
     results = []
     with tempfile.TemporaryDirectory() as d:
-        for name in MODELS:
+        for name in args.models.split(","):
             path, n_params, shape = make_model(d, name)
-            for bf16 in (False, True):
+            for bf16 in [dt == "bf16" for dt in args.dtypes.split(",")]:
                 r = bench_train(path, n_params, shape, bf16=bf16, steps=1 if args.quick else args.steps,
                                 n_rows=n_rows, length=length, micro_batch_tokens=2048)
                 r["bare_flops"] = bench_model_only(path, n_params, bf16=bf16, n_rows=n_rows, length=length,

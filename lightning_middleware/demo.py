@@ -55,6 +55,7 @@ class DemoConfig:
     groups_in_flight: int = 16  # async: groups kept running while the trainer updates
     max_staleness: int = 2
     lr: float = 5e-4
+    lr_end: float | None = 1e-4  # linear decay from lr to lr_end over the RL budget; None: constant
     clip: float = 0.2
     sft_steps: int | None = None  # None: WarmStartConfig's default
     model_dir: str | None = None  # start from this HF folder instead of the cached warm start
@@ -199,7 +200,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             WeightPublisher(server.url))
 
         say(f"[4/5] RL for {cfg.minutes:g} min ({cfg.mode}): {cfg.groups_per_step} tasks x {cfg.group_size} "
-            f"samples per step, lr {cfg.lr:g}")
+            f"samples per step, lr {cfg.lr:g}" + (f" -> {cfg.lr_end:g}" if cfg.lr_end is not None else ""))
         curve: list[dict[str, Any]] = []
         # Success over ALL train rollouts that finished since the previous step: the trained
         # batch alone is biased (groups whose rewards are all equal carry no signal and are skipped).
@@ -233,13 +234,17 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
         def on_step(res: Any) -> None:
             m = res.metrics
+            lr_used = engine.lr
+            if cfg.lr_end is not None:  # the next step's learning rate, by the share of the budget spent
+                spent = min(1.0, (time.perf_counter() - t_rl) / budget)
+                engine.set_lr(cfg.lr + (cfg.lr_end - cfg.lr) * spent)
             trained[0] += int(m.get("n_rollouts", 0))
             new, seen[0] = finished[seen[0]:], len(finished)
             success = sum(1 for x in new if x >= 1.0) / len(new) if new else float("nan")
             curve.append({"step": res.step, "t_s": time.perf_counter() - t_rl, "version": res.policy_version,
                           "success": success, "finished": len(new),
                           "batch_reward": m["reward_mean"], "batch_success": m["success_rate"],
-                          "rollouts": m.get("n_rollouts", 0), "kl": m.get("approx_kl"),
+                          "rollouts": m.get("n_rollouts", 0), "kl": m.get("approx_kl"), "lr": lr_used,
                           "clip_frac": m.get("clip_frac"), "step_time_s": m.get("step_time_s"),
                           "staleness_max": m.get("staleness_max"), "entropy": m.get("entropy"),
                           **{k: v for k, v in m.items() if k.startswith(("skipped_", "rows_"))}})
@@ -425,6 +430,8 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--groups-in-flight", type=int, default=d.groups_in_flight)
     p.add_argument("--max-staleness", type=int, default=d.max_staleness)
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--lr-end", type=float, default=d.lr_end,
+                   help="learning rate reached at the end of the budget (linear decay); 0 or less: constant")
     p.add_argument("--sft-steps", type=int, default=None, help="warm-start SFT steps (default: the recipe's)")
     p.add_argument("--model", default=None, help="start from this model folder instead of the warm start")
     p.add_argument("--threads", type=int, default=None, help="torch threads in the trainer")
@@ -443,7 +450,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     cfg = DemoConfig(out_dir=args.out or f"runs/demo-{args.seed}-{mode}", seed=args.seed, minutes=args.minutes, warm_start_seed=args.warm_start_seed,
                      mode=mode, eval_tasks=args.eval_tasks, groups_per_step=args.groups_per_step,
                      group_size=args.group_size, groups_in_flight=args.groups_in_flight,
-                     max_staleness=args.max_staleness, lr=args.lr, sft_steps=args.sft_steps, threads=args.threads, model_dir=args.model,
+                     max_staleness=args.max_staleness, lr=args.lr,
+                     lr_end=args.lr_end if args.lr_end and args.lr_end > 0 else None,
+                     sft_steps=args.sft_steps, threads=args.threads, model_dir=args.model,
                      max_steps=args.max_steps, greedy=not args.no_greedy,
                      progress=sys.stderr.isatty() or os.environ.get("LIGHTNING_PROGRESS") == "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -2,8 +2,8 @@
 
 Agents in any language point their OpenAI base URL at the gateway; every chat /
 completions call is recorded into the trace store with exact token IDs, by the
-same recording transport `wrap()` uses (`capture.install` on the gateway's
-upstream `httpx.AsyncClient`, the rollout passed through the rollout context).
+same recording transport `wrap()` uses (in front of the gateway's upstream
+connection, aiohttp by default; the rollout passed through the rollout context).
 
     lightning-mw gateway --upstream http://127.0.0.1:8000/v1 --store sqlite:///traces.db
 
@@ -47,7 +47,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .capture import CaptureSettings, install, scrub_secrets  # noqa: F401  (scrub_secrets: part of this API)
+from . import _json
+from .capture import CaptureSettings, scrub_secrets, transport_classes  # noqa: F401  (scrub_secrets: API)
 from .context import RolloutState, _current
 from .records import Mode, Reward, Rollout, RolloutStatus
 from .store import StoreError, TraceStore, get_store
@@ -71,6 +72,8 @@ _DROP_REQUEST_HEADERS = frozenset({
 _DROP_RESPONSE_HEADERS = frozenset({
     "content-length", "transfer-encoding", "connection", "keep-alive", "date", "server", "content-encoding",
 })
+
+
 class GatewayConfigError(ValueError):
     """The gateway was configured unsafely or inconsistently; the message says what to fix."""
 
@@ -274,8 +277,9 @@ class Gateway:
         self._flights: OrderedDict[tuple[str, ...], _Flight] = OrderedDict()
         self._rr = itertools.count()
         self._shard = itertools.count()
-        self._client: Any = None
-        self._clients: list[Any] = []
+        self._client: Any = None  # plain GETs (/v1/models)
+        self._transports: list[Any] = []  # forwarded calls: capture -> stamp -> upstream connection
+        self._timeout: dict[str, float] = {}
         self.client_shards = max(1, client_shards)
         self._health_client: Any = None
         self._health_task: asyncio.Task[None] | None = None
@@ -316,21 +320,24 @@ class Gateway:
 
         self._events()
         if self._client is None:
-            # Several small clients rather than one big pool: httpcore's pool does work proportional
-            # to (queued requests x connections) on every request, which dominated at 32 concurrent.
+            # The chain each forwarded call goes through: capture (the same recording transport
+            # wrap() installs), the policy-version stamp, then the upstream connection. Called
+            # directly rather than through an httpx.AsyncClient: the client's per-request work
+            # (URL merging, auth and redirect loops, cookies) bought the gateway nothing.
+            # Several shards: with the httpx upstream client, httpcore's pool does work
+            # proportional to (queued requests x connections), which dominated at 32 concurrent.
             # strip_added=False: gateway callers get the engine's token IDs and logprobs too.
             settings = CaptureSettings(store=self.store, record_unattached=self.record_unattached,
                                        strip_added=False)
-            self._clients = []
-            for _ in range(self.client_shards):
-                inner = _upstream_transport(self.upstream_client)
-                client = httpx.AsyncClient(
-                    transport=_stamp_transport_class()(inner),
-                    timeout=httpx.Timeout(self.upstream_timeout_s, connect=self.connect_timeout_s),
-                )
-                install(client, settings)
-                self._clients.append(client)
-            self._client = self._clients[0]
+            _, recording = transport_classes(httpx)
+            stamp = _stamp_transport_class()
+            shards = 1 if self.upstream_client == "aiohttp" else self.client_shards
+            self._transports = [recording(stamp(_upstream_transport(self.upstream_client)), settings)
+                                for _ in range(shards)]
+            self._timeout = {"connect": self.connect_timeout_s, "read": self.upstream_timeout_s,
+                             "write": self.upstream_timeout_s, "pool": self.upstream_timeout_s}
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.upstream_timeout_s,
+                                                                   connect=self.connect_timeout_s))
             self._health_client = httpx.AsyncClient(timeout=self.health_timeout_s)
         if self._health_task is None and self.health_interval_s > 0:
             self._health_task = asyncio.create_task(self._health_loop())
@@ -341,11 +348,11 @@ class Gateway:
             with contextlib.suppress(BaseException):
                 await self._health_task
             self._health_task = None
-        for c in [*self._clients, self._health_client]:
+        for c in [*self._transports, self._client, self._health_client]:
             if c is not None:
                 await c.aclose()
         self._client = self._health_client = None
-        self._clients = []
+        self._transports = []
         await asyncio.to_thread(self.store.flush, 10.0)
 
     def start(self, timeout: float = 30.0) -> "Gateway":
@@ -621,14 +628,17 @@ class Gateway:
         rollout_id = rollout_id or header_rid or None
         raw = await _read_body(request, self.max_body_bytes)
         try:
-            payload = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise _HTTPError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+            payload = _json.loads(raw)  # orjson; the standard library below only for what it rejects
+        except ValueError:
+            try:
+                payload = json.loads(raw)  # e.g. integers beyond 64 bits
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise _HTTPError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
         if not isinstance(payload, dict):
             raise _HTTPError(400, "request body must be a JSON object", code="invalid_json")
         payload, scrubbed = scrub_secrets(payload)
         if scrubbed:
-            raw = json.dumps(payload).encode()
+            raw = _json.dumps(payload).encode()
         entry = await self._entry(rollout_id, for_call=True) if rollout_id else None
         stream = bool(payload.get("stream"))
         body_hash = hashlib.sha256(raw).hexdigest()
@@ -697,7 +707,9 @@ class Gateway:
                     ok_result = _Cached(status, headers, body)
                 return Response(body, status_code=status, headers=_header_dict(headers))
             # A stream: take its first chunk before committing to 200, so a stalled upstream is a 504.
-            chunks = response.aiter_bytes()  # decoded: content-encoding is not passed on
+            # Decoded: content-encoding is not passed on (capture asks for identity, so usually raw).
+            identity = response.headers.get("content-encoding", "identity").lower() in ("identity", "")
+            chunks = response.aiter_raw() if identity else response.aiter_bytes()
             try:
                 first = await chunks.__anext__()
             except StopAsyncIteration:
@@ -750,7 +762,7 @@ class Gateway:
         if auth:
             headers.append(("authorization", auth))
         tried: set[int] = set()
-        client = self._clients[next(self._shard) % len(self._clients)]
+        transport = self._transports[next(self._shard) % len(self._transports)]
         token = _current.set(entry.state if entry is not None else None)
         try:
             while True:
@@ -761,12 +773,14 @@ class Gateway:
                         f"{u.url}: {u.last_error}" for u in self.upstreams if u.index in tried),
                         type="upstream_error", code="upstream_unreachable")
                 tried.add(up.index)
-                req = client.build_request(
-                    "POST", up.url + "/v1/" + path, content=raw, headers=headers,
-                    extensions={_PV_EXT: version} if version is not None else None)
+                extensions: dict[str, Any] = {"timeout": self._timeout}
+                if version is not None:
+                    extensions[_PV_EXT] = version
+                req = httpx.Request("POST", up.url + "/v1/" + path, content=raw, headers=headers,
+                                    extensions=extensions)
                 up.active += 1
                 try:
-                    response = await client.send(req, stream=True)
+                    response = await transport.handle_async_request(req)
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                     # Nothing reached this replica: mark it down and try another (the attempt is recorded).
                     up.healthy, up.last_error, up.last_check = False, f"{type(exc).__name__}: {exc}", time.time()

@@ -148,6 +148,17 @@ class TorchEngine:
         log.info("TorchEngine: %s, %.2fM trainable params, version %d", self.source_dir,
                  sum(p.numel() for p in self.params) / 1e6, policy_version)
 
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_lr(self, lr: float) -> None:
+        """Learning rate for the following steps (a schedule lives with the caller, e.g. the demo's)."""
+        if not lr > 0:
+            raise ValueError(f"learning rate must be positive, got {lr}")
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     # -- forward helpers
 
     def _autocast(self):
