@@ -1,6 +1,6 @@
 """Gateway overhead: direct to the test LLM server vs through the gateway, in one run.
 
-    python bench/bench_gateway.py [--seq 200] [--conc 32] [--conc-requests 1000] [--max-seconds 20]
+    python bench/bench_gateway.py [--seq 200] [--conc 32] [--conc-requests 4000] [--max-seconds 20]
 
 Starts the deterministic test server (`lightning_middleware.testing`) and the
 gateway (`lightning-mw gateway`, SQLite store in a temp dir) as subprocesses on
@@ -138,7 +138,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=200, help="sequential calls per phase")
     ap.add_argument("--conc", type=int, default=32, help="concurrent callers")
-    ap.add_argument("--conc-requests", type=int, default=1000, help="calls per concurrent phase")
+    ap.add_argument("--conc-requests", type=int, default=4000, help="calls per concurrent phase")
     ap.add_argument("--max-seconds", type=float, default=20.0, help="time cap per phase")
     ap.add_argument("--engine-ms", type=float, default=0.0,
                     help="time the test server takes per completion, as a real engine would (the reference "

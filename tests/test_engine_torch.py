@@ -162,3 +162,23 @@ def test_recompute_option_ignores_behaviour_logprobs(model_dir):
     assert m["approx_kl"] < -0.5 and m["clip_frac"] > 0  # old = -5 vs about -log(48) = -3.9 on 8 of 12 tokens
     with pytest.raises(ValueError):
         TorchEngine(model_dir, TorchEngineConfig(old_logprobs="vllm")).step(rows)
+
+
+def test_set_lr_changes_the_next_update_and_rejects_nonsense(model_dir):
+    """A step at lr 0+ barely moves the weights; the same step at the engine's lr moves them."""
+    rows = make_rows(PROMPTS, advantages={"good": 1.0, "bad": -1.0})
+
+    def moved(lr: float) -> float:
+        eng = TorchEngine(model_dir, TorchEngineConfig(lr=1e-2))
+        eng.set_lr(lr)
+        assert eng.lr == lr
+        before = [p.detach().clone() for p in eng.params]
+        eng.step(with_behaviour(eng, rows))
+        return sum(float((p - b).abs().sum()) for p, b in zip(eng.params, before))
+
+    assert moved(1e-9) < moved(1e-2) / 1000
+    eng = TorchEngine(model_dir, TorchEngineConfig(lr=1e-3))
+    for bad in (0.0, -1e-4, float("nan")):
+        with pytest.raises(ValueError, match="learning rate"):
+            eng.set_lr(bad)
+    assert eng.lr == 1e-3
