@@ -79,7 +79,7 @@ def test_cli_registers_demo() -> None:
 
     args = build_parser().parse_args(["demo", "--sync", "--minutes", "1", "--seed", "3"])
     assert args.sync and args.minutes == 1 and args.seed == 3 and args.func.__name__ == "_cmd_demo"
-    assert args.lr == 5e-4 and args.lr_end == 1e-4  # the recipe: linear decay over the budget
+    assert args.lr == 5e-4 and args.lr_end == 1e-4 and args.lr_warmup_steps == 10  # the recipe
     assert build_parser().parse_args(["demo", "--lr-end", "0"]).lr_end == 0  # 0: constant lr
 
 
@@ -108,3 +108,18 @@ def test_short_demo_learns(tmp_path: Path) -> None:
     assert (tmp_path / "demo" / "reward_curve.png").stat().st_size > 10_000
     gain = 100 * (after - before)
     assert gain >= CI_MIN_GAIN_PP, f"held-out success {before:.1%} -> {after:.1%} ({gain:+.1f} pp)"
+
+
+def test_lr_schedule_warms_up_by_step_then_decays_by_budget() -> None:
+    from lightning_middleware.demo import DemoConfig, _lr_at
+
+    cfg = DemoConfig(lr=5e-4, lr_end=1e-4, lr_warmup_steps=10)
+    warm = [_lr_at(cfg, k, 0.0) for k in range(1, 11)]
+    assert warm[0] == pytest.approx(5e-5) and warm[-1] == pytest.approx(5e-4)
+    assert all(a < b for a, b in zip(warm, warm[1:]))
+    assert _lr_at(cfg, 11, 0.0) == pytest.approx(5e-4)
+    assert _lr_at(cfg, 40, 0.5) == pytest.approx(3e-4)
+    assert _lr_at(cfg, 90, 1.3) == pytest.approx(1e-4)  # past the budget: stays at the end value
+    assert _lr_at(cfg, 3, 0.9) == pytest.approx(1.5e-4)  # warm-up wins while it lasts
+    flat = DemoConfig(lr=5e-4, lr_end=None, lr_warmup_steps=0)
+    assert {_lr_at(flat, k, k / 10) for k in range(1, 20)} == {5e-4}
