@@ -1,10 +1,10 @@
 """The gateway's HTTP/1.1 connection to its upstreams: an httpx transport that sends through aiohttp.
 
-Why: the gateway forwards every call through an `httpx.AsyncClient` so that the one capture
-transport (`capture.RecordingTransport`) sits in front of it, exactly as in `wrap()`. Under that,
-httpx's default transport (httpcore + the pure-Python h11 parser) cost the gateway more CPU per
-call than everything else it does; aiohttp parses HTTP with llhttp in C and pools connections
-cheaply. Only the bottom layer changes: requests, responses, streams and errors keep their httpx
+Why: the gateway forwards every call through the one capture transport
+(`capture.RecordingTransport`, the same as `wrap()` installs), which is an httpx transport.
+Under it, httpx's default transport (httpcore + the pure-Python h11 parser) was the largest
+single CPU cost per call in the gateway; aiohttp parses HTTP with llhttp in C and pools
+connections cheaply. Only the bottom layer changes: requests, responses, streams and errors keep their httpx
 types, so capture, streaming and the gateway's error mapping see no difference.
 """
 
