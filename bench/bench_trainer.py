@@ -8,12 +8,16 @@
    training rows (the trainer's output) and of token IDs read from the store (its input).
 2. TorchEngine training throughput on Qwen2-style models, fp32 and bf16 autocast, and
    model-FLOPs utilisation against this machine's measured matmul peak:
-       MFU = 6 * N * tokens/s / peak
+       MFU = 6 * (N * tokens + N_head * trained positions - N_head * tokens) / s / peak
    N = parameters taking part in matmuls (all parameters; with tied embeddings the embedding
    matrix is counted once, as the LM head; the lookup itself is free). 6N is forward (2N) +
    backward (4N) per token and omits attention scores/values; `MFU+attn` adds those,
    12 * layers * hidden * T_avg_ctx per token (fwd+bwd, causal: average context = T/2).
-   Peak: best of repeated large square `torch.matmul` in bf16 and in fp32, measured here.
+   The LM head (N_head = vocab x hidden) is counted only at positions that predict a trained
+   token, the only ones where the engine computes logits (the bare model computes and is
+   credited with all). Precisions: fp32, bf16-autocast (fp32 weights, autocast), bf16 (bf16
+   weights and compute, fp32 master weights). Peak: best of repeated large square
+   `torch.matmul` in bf16 and in fp32, measured here; the bf16 modes are measured against bf16's.
 
     python bench/bench_trainer.py [--rollouts 128] [--rows 4 --length 512] [--quick]
 """
@@ -32,6 +36,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from trainer_backend.engine_torch import PRECISIONS  # noqa: E402
 
 from lightning_middleware import LLMCall, TraceStore  # noqa: E402
 from lightning_middleware.records import Reward, Rollout, new_id  # noqa: E402
@@ -158,14 +164,16 @@ def train_rows(n_rows: int, length: int, vocab: int, prompt: int) -> list:
     return rows
 
 
-def bench_model_only(path: str, n_params: int, *, bf16: bool, n_rows: int, length: int, vocab: int,
+def bench_model_only(path: str, n_params: int, *, precision: str, n_rows: int, length: int, vocab: int,
                      micro_rows: int, steps: int) -> float:
     """MFU of the bare HF model: forward, mean token cross-entropy, backward (no engine, no optimizer)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).train()
     ids = torch.randint(0, vocab, (n_rows, length), generator=torch.Generator().manual_seed(0))
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
+    autocast = precision == "bf16-autocast"
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
 
     def once():
         for i in range(0, n_rows, micro_rows):
@@ -185,13 +193,14 @@ def bench_model_only(path: str, n_params: int, *, bf16: bool, n_rows: int, lengt
     return 6 * n_params * n_rows * length / min(times)  # FLOP/s; divided by the peak by the caller
 
 
-def bench_train(path: str, n_params: int, shape: tuple, *, bf16: bool, steps: int, n_rows: int, length: int,
+def bench_train(path: str, n_params: int, shape: tuple, *, precision: str, steps: int, n_rows: int, length: int,
                 micro_batch_tokens: int) -> dict:
     from trainer_backend.engine_torch import TorchEngine, TorchEngineConfig
 
     hidden, layers, _h, _kv, _i, vocab = shape
-    eng = TorchEngine(path, TorchEngineConfig(lr=1e-5, bf16_autocast=bf16, micro_batch_tokens=micro_batch_tokens))
-    rows = train_rows(n_rows, length, vocab, prompt=length // 4)
+    eng = TorchEngine(path, TorchEngineConfig(lr=1e-5, precision=precision, micro_batch_tokens=micro_batch_tokens))
+    prompt = length // 4
+    rows = train_rows(n_rows, length, vocab, prompt=prompt)
     eng.step(rows)  # warm-up
     times = []
     for _ in range(steps):
@@ -201,7 +210,9 @@ def bench_train(path: str, n_params: int, shape: tuple, *, bf16: bool, steps: in
     t = min(times)  # best of: interference from other processes only slows a step down
     tokens = n_rows * length
     tps = tokens / t
-    flops_6n = 6 * n_params * tps
+    # logits only where a trained token is predicted: positions prompt-1 .. length-2 of each row
+    head = vocab * hidden
+    flops_6n = 6 * (n_params * tokens - head * (tokens - n_rows * (length - prompt))) / t
     attn_per_token = 12 * layers * hidden * (length / 2)
     return dict(tokens_per_s=tps, step_s=t, flops=flops_6n, flops_attn=flops_6n + attn_per_token * tps, tokens=tokens)
 
@@ -229,9 +240,9 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=512, help="tokens per training row")
     ap.add_argument("--quick", action="store_true", help="smaller everything (a smoke run)")
     ap.add_argument("--models", default="qwen2-h256-l4,qwen2-30M", help=f"comma list of {', '.join(MODELS)}")
-    ap.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16 (autocast)")
+    ap.add_argument("--dtypes", default="fp32,bf16-autocast,bf16", help=f"comma list of {', '.join(PRECISIONS)}")
     args = ap.parse_args()
-    unknown = set(args.models.split(",")) - set(MODELS) | set(args.dtypes.split(",")) - {"fp32", "bf16"}
+    unknown = set(args.models.split(",")) - set(MODELS) | set(args.dtypes.split(",")) - set(PRECISIONS)
     if unknown:
         ap.error(f"unknown model or dtype: {', '.join(sorted(unknown))}")
     t_start = time.perf_counter()
@@ -266,13 +277,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for name in args.models.split(","):
             path, n_params, shape = make_model(d, name)
-            for bf16 in [dt == "bf16" for dt in args.dtypes.split(",")]:
-                r = bench_train(path, n_params, shape, bf16=bf16, steps=1 if args.quick else args.steps,
+            for precision in args.dtypes.split(","):
+                r = bench_train(path, n_params, shape, precision=precision, steps=1 if args.quick else args.steps,
                                 n_rows=n_rows, length=length, micro_batch_tokens=2048)
-                r["bare_flops"] = bench_model_only(path, n_params, bf16=bf16, n_rows=n_rows, length=length,
+                r["bare_flops"] = bench_model_only(path, n_params, precision=precision, n_rows=n_rows, length=length,
                                                    vocab=shape[-1], micro_rows=max(1, 2048 // length), steps=2)
-                results.append((name, n_params, bf16, r))
-                print(f"  measured {name} {'bf16-ac' if bf16 else 'fp32'}: {r['tokens_per_s']:,.0f} tok/s", flush=True)
+                results.append((name, n_params, precision, r))
+                print(f"  measured {name} {precision}: {r['tokens_per_s']:,.0f} tok/s", flush=True)
             measure_peaks()
     peak_bf16, peak_fp32 = max(peaks["bf16"]), max(peaks["fp32"])
 
@@ -284,11 +295,11 @@ def main() -> None:
     print("\n== TorchEngine training (one optimizer step = 1 measurement; MFU vs the measured peak of the dtype) ==")
     print(f"batch: {n_rows} rows x {length} tokens (3/4 response), micro_batch_tokens 2048; "
           f"best of {1 if args.quick else args.steps} steps after 1 warm-up")
-    print(f"{'model':<16}{'params':>9}{'mode':>10}{'tok/s':>9}{'step s':>8}{'GFLOP/s':>9}{'MFU':>7}"
+    print(f"{'model':<16}{'params':>9}{'mode':>14}{'tok/s':>9}{'step s':>8}{'GFLOP/s':>9}{'MFU':>7}"
           f"{'MFU+attn':>10}{'bare fwd+bwd MFU':>18}")
-    for name, n_params, bf16, r in results:
-        peak = peak_bf16 if bf16 else peak_fp32
-        print(f"{name:<16}{n_params / 1e6:>8.1f}M{('bf16-ac' if bf16 else 'fp32'):>10}"
+    for name, n_params, precision, r in results:
+        peak = peak_fp32 if precision == "fp32" else peak_bf16
+        print(f"{name:<16}{n_params / 1e6:>8.1f}M{precision:>14}"
               f"{r['tokens_per_s']:>9,.0f}{r['step_s']:>8.2f}{r['flops'] / 1e9:>9.1f}"
               f"{100 * r['flops'] / peak:>6.1f}%{100 * r['flops_attn'] / peak:>9.1f}%"
               f"{100 * r['bare_flops'] / peak:>17.1f}%")

@@ -120,7 +120,7 @@ def test_micro_batching_does_not_change_the_step(model_dir):
 
 
 def test_frozen_embeddings_and_options(model_dir):
-    cfg = TorchEngineConfig(lr=1e-2, freeze_embeddings=True, bf16_autocast=True, gradient_checkpointing=True,
+    cfg = TorchEngineConfig(lr=1e-2, freeze_embeddings=True, precision="bf16-autocast", gradient_checkpointing=True,
                             loss=LossConfig(kl_coef=0.1, entropy_coef=0.01, dual_clip_c=3.0))
     eng = TorchEngine(model_dir, cfg)
     emb0 = eng.model.get_input_embeddings().weight.detach().clone()
@@ -132,6 +132,40 @@ def test_frozen_embeddings_and_options(model_dir):
     assert not torch.equal(eng.model.model.layers[0].mlp.up_proj.weight, layer0)
     m2 = eng.step(make_rows(PROMPTS, advantages={"good": 1.0, "bad": -1.0}))
     assert m2["kl_ref"] > 0
+
+
+def test_bf16_precision_trains_fp32_masters_and_saves_them(model_dir, tmp_path):
+    cfg = TorchEngineConfig(lr=3e-3, precision="bf16", loss=LossConfig(clip_low=10.0, clip_high=10.0))
+    eng = TorchEngine(model_dir, cfg)
+    assert all(p.dtype == torch.bfloat16 for p in eng.model.parameters())
+    assert all(m.dtype == torch.float32 for m in eng.master) and len(eng.master) == len(eng.params)
+    rows = make_rows(PROMPTS, advantages={"good": 1.0, "bad": -1.0})
+    good = [r for r in rows if r.rollout_id == "good"]
+    before = mean_response_logprob(eng, good)
+    start = [m.detach().clone() for m in eng.master]
+    for _ in range(3):
+        m = eng.step(rows)
+        assert m["grad_norm"] > 0 and m["entropy"] > 0
+    assert mean_response_logprob(eng, good) > before
+    for m, p, m0 in zip(eng.master, eng.params, start):
+        assert torch.equal(p, m.to(torch.bfloat16))  # the model is the masters' rounding
+    # an update smaller than bf16's resolution still moves the fp32 master (the point of keeping it)
+    assert sum(int((m != m0).sum()) for m, m0 in zip(eng.master, start)) > \
+        sum(int((p != m0.to(torch.bfloat16)).sum()) for p, m0 in zip(eng.params, start))
+
+    out = eng.save(tmp_path / "bf16")
+    saved = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    by_id = {id(p): m for p, m in zip(eng.params, eng.master)}
+    for name, t in eng.model.state_dict(keep_vars=True).items():
+        assert saved[name].dtype == torch.float32
+        assert torch.equal(saved[name], by_id.get(id(t), t).detach().float()), name
+
+
+def test_precision_is_checked(model_dir):
+    with pytest.raises(ValueError, match="precision must be one of"):
+        TorchEngine(model_dir, TorchEngineConfig(precision="fp16"))
+    with pytest.raises(ValueError, match="master weights"):
+        TorchEngine(model_dir, TorchEngineConfig(precision="bf16"), dtype=torch.bfloat16)
 
 
 def test_save_reloads_with_transformers(model_dir, tmp_path):

@@ -22,6 +22,7 @@ from trainer_backend.grpo import (
     rollout_advantages,
     sample_advantages,
     token_logprobs,
+    token_logprobs_entropy,
 )
 from trainer_backend.rows import Row
 
@@ -232,6 +233,47 @@ def test_entropy_and_logprobs(verl):
     assert torch.allclose(token_logprobs(logits, targets), ref, atol=TOL, rtol=0)
     uniform = entropy_from_logits(torch.zeros(7))
     assert uniform.item() == pytest.approx(math.log(7))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 4, 5, 1000])  # 20 positions: single, dividing, ragged, one chunk
+@pytest.mark.parametrize("grads", ["both", "logp", "entropy"])
+def test_chunked_logprobs_and_entropy_match_autograd(dtype, chunk, grads):
+    g = torch.Generator().manual_seed(5)
+    z = (torch.randn(4, 5, 13, generator=g) * 4).to(dtype)
+    z[0, 0] = 0.0  # uniform row
+    z[1, 1, 3] = 60.0  # near one-hot row: p ~ 1, entropy ~ 0
+    targets = torch.randint(0, 13, (4, 5), generator=g)
+    targets[1, 1] = 3
+    g_lp, g_h = torch.randn(4, 5, generator=g), torch.randn(4, 5, generator=g)
+
+    ref_z = z.float().clone().requires_grad_(True)  # the reference: plain autograd in fp32 on the same values
+    ref_lp, ref_h = token_logprobs(ref_z, targets), entropy_from_logits(ref_z)
+    fz = z.detach().clone().requires_grad_(True)
+    lp, h = token_logprobs_entropy(fz, targets, with_entropy=True, chunk=chunk)
+    assert lp.dtype == h.dtype == torch.float32 and lp.shape == h.shape == (4, 5)
+    # fp32 throughout; entropy as -sum p log p vs logsumexp - sum p z: equal to float rounding
+    assert torch.allclose(lp, ref_lp, atol=TOL, rtol=0) and torch.allclose(h, ref_h, atol=1e-5, rtol=0)
+    assert h[0, 0].item() == pytest.approx(math.log(13), abs=TOL) and abs(h[1, 1].item()) < 1e-6
+
+    use_lp, use_h = grads in ("both", "logp"), grads in ("both", "entropy")
+    ((ref_lp * g_lp).sum() * use_lp + (ref_h * g_h).sum() * use_h).backward()
+    (((lp * g_lp).sum() if use_lp else 0) + ((h * g_h).sum() if use_h else 0)).backward()
+    assert fz.grad.dtype == dtype
+    # bf16 gradients are rounded to bf16 (8 bits of mantissa) once, at the end
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8 * ref_z.grad.abs().max().item()
+    assert torch.allclose(fz.grad.float(), ref_z.grad, atol=tol, rtol=0)
+
+
+def test_chunked_logprobs_without_entropy_and_bad_shapes():
+    z = torch.randn(3, 7, requires_grad=True)
+    t = torch.tensor([0, 6, 3])
+    lp, h = token_logprobs_entropy(z, t, with_entropy=False, chunk=2)
+    assert h is None and torch.allclose(lp, token_logprobs(z, t), atol=TOL, rtol=0)
+    lp.sum().backward()
+    assert torch.allclose(z.grad.sum(-1), torch.zeros(3), atol=TOL)  # onehot - p sums to 0
+    with pytest.raises(ValueError, match="disagree"):
+        token_logprobs_entropy(z, torch.tensor([0, 1]))
 
 
 def test_kl_and_entropy_terms_in_loss():

@@ -346,7 +346,10 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--freeze-embeddings", action="store_true")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    p.add_argument("--bf16", action="store_true",
+                   help="bf16 compute with fp32 master weights (torch: --precision bf16; verl: FSDP param dtype)")
+    p.add_argument("--precision", choices=("fp32", "bf16-autocast", "bf16"), default=None,
+                   help="torch engine precision (overrides --bf16)")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--tensorboard", default=None, help="write step metrics to this TensorBoard log dir")
     p.set_defaults(func=_cmd_trainer)
@@ -400,7 +403,8 @@ def _make_engine(args: Any, start_dir: Path, version: int) -> Engine:
     from trainer_backend.engine_torch import TorchEngine, TorchEngineConfig
 
     cfg = TorchEngineConfig(lr=args.lr, micro_batch_tokens=args.micro_batch_tokens,
-                            freeze_embeddings=args.freeze_embeddings, bf16_autocast=args.bf16)
+                            freeze_embeddings=args.freeze_embeddings,
+                            precision=args.precision or ("bf16" if args.bf16 else "fp32"))
     return TorchEngine(start_dir, cfg, policy_version=version)
 
 

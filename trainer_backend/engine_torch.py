@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 from transformers import AutoModelForCausalLM
 
-from trainer_backend.grpo import LossConfig, loss_weights, policy_loss
+from trainer_backend.grpo import LossConfig, loss_weights, policy_loss, token_logprobs_entropy
 from trainer_backend.engine import Engine  # noqa: F401  (re-exported: TorchEngine satisfies it)
 from trainer_backend.rows import Row
 
@@ -49,9 +49,16 @@ class TorchEngineConfig:
     micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) per micro-batch
     old_logprobs: str = "behaviour"  # "behaviour" (vLLM's) | "recompute" (current weights, before the update)
     freeze_embeddings: bool = False  # with tied embeddings this also freezes the LM head
-    bf16_autocast: bool = False
+    # "fp32"; "bf16-autocast": fp32 weights, matmuls in bf16 under torch.autocast (a cast per weight
+    # per micro-batch); "bf16": weights, activations and gradients in bf16, with fp32 master weights
+    # and AdamW state that the optimizer updates and copies back (no per-op casts; the fastest on
+    # CPUs with AVX512-BF16, see docs/benchmarks.md).
+    precision: str = "fp32"
     gradient_checkpointing: bool = False
     reference_model: bool = False  # keep a frozen copy of the start weights for KL; implied by loss.kl_coef > 0
+
+
+PRECISIONS = ("fp32", "bf16-autocast", "bf16")
 
 
 # ---------------------------------------------------------------- batching
@@ -124,6 +131,10 @@ class TorchEngine:
         dtype: torch.dtype = torch.float32,
         policy_version: int = 0,
     ) -> None:
+        if config.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, not {config.precision!r}")
+        if config.precision == "bf16" and dtype != torch.float32:
+            raise ValueError("precision='bf16' keeps fp32 master weights: load the model with dtype=torch.float32")
         self.source_dir = Path(model_dir)
         self.config = config
         self.device = torch.device(device)
@@ -139,14 +150,21 @@ class TorchEngine:
         if config.reference_model or config.loss.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # The optimizer's parameters: the model's own, or fp32 masters of the bf16 model's.
+        self.master = self.params
+        if config.precision == "bf16":
+            self.master = [p.detach().clone() for p in self.params]
+            self.model.to(torch.bfloat16)
+            if self.ref_model is not None:
+                self.ref_model.to(torch.bfloat16)
         # fused: one kernel for all parameters instead of a loop of small ops per tensor
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.betas, eps=config.adam_eps,
+        self.optimizer = torch.optim.AdamW(self.master, lr=config.lr, betas=config.betas, eps=config.adam_eps,
                                            weight_decay=config.weight_decay,
                                            fused=self.device.type in ("cpu", "cuda"))
         pad = self.model.config.pad_token_id
         self.pad_id = int(pad) if pad is not None else 0
-        log.info("TorchEngine: %s, %.2fM trainable params, version %d", self.source_dir,
-                 sum(p.numel() for p in self.params) / 1e6, policy_version)
+        log.info("TorchEngine: %s, %.2fM trainable params, %s, version %d", self.source_dir,
+                 sum(p.numel() for p in self.params) / 1e6, config.precision, policy_version)
 
     @property
     def lr(self) -> float:
@@ -162,7 +180,7 @@ class TorchEngine:
     # -- forward helpers
 
     def _autocast(self):
-        if self.config.bf16_autocast:
+        if self.config.precision == "bf16-autocast":
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
@@ -173,21 +191,21 @@ class TorchEngine:
         logits: prompts and tool results are most of an agent's tokens, and the
         output layer plus the vocabulary softmax are a large share of a small
         model's step. Other positions read 0 and carry weight 0 everywhere.
+        The vocabulary-wide work (log-softmax, entropy, their backward) runs in
+        cache-sized chunks on the logits in their own dtype (grpo.token_logprobs_entropy).
         """
         keep = (mb.weights != 0).any(0).nonzero().squeeze(-1).to(self.device)
         with self._autocast():
             logits = model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device),
-                           use_cache=False, logits_to_keep=keep).logits
-        logits = logits.float()  # (B, K, V)
-        lse = torch.logsumexp(logits, dim=-1)  # shared by log-probs and entropy
+                           use_cache=False, logits_to_keep=keep).logits  # (B, K, V)
         targets = mb.targets.to(self.device)[:, keep]
-        logp_k = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+        logp_k, ent_k = token_logprobs_entropy(logits, targets, with_entropy)
         logp = logp_k.new_zeros(mb.targets.shape).index_copy(1, keep, logp_k)
         entropy = None
-        if with_entropy:
-            with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.config.loss.entropy_coef)):
-                ent_k = lse - (torch.exp(logits - lse.unsqueeze(-1)) * logits).sum(-1)
-                entropy = ent_k.new_zeros(mb.targets.shape).index_copy(1, keep, ent_k)
+        if ent_k is not None:
+            if not self.config.loss.entropy_coef:
+                ent_k = ent_k.detach()  # a metric only: no backward through it
+            entropy = ent_k.new_zeros(mb.targets.shape).index_copy(1, keep, ent_k)
         return logp, entropy
 
     @torch.no_grad()
@@ -230,10 +248,18 @@ class TorchEngine:
             for k, v in mb_sums.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
 
+        if self.master is not self.params:  # bf16: the fp32 masters take the gradients and the update
+            for m, p in zip(self.master, self.params):
+                m.grad = p.grad.float() if p.grad is not None else None
+                p.grad = None
         clip = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master, clip))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not self.params:
+            with torch.no_grad():
+                for m, p in zip(self.master, self.params):
+                    p.copy_(m)
         self.policy_version += 1
         return self._metrics(rows, batches, sums, grad_norm, time.perf_counter() - t0)
 
@@ -265,11 +291,18 @@ class TorchEngine:
 
     # -- weights out
 
+    def _fp32_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The weights to save: the model's own, or in bf16 mode the fp32 masters (not their bf16 rounding)."""
+        if self.master is self.params:
+            return None
+        masters = {id(p): m for p, m in zip(self.params, self.master)}
+        return {name: masters.get(id(t), t).detach().float() for name, t in self.model.state_dict(keep_vars=True).items()}
+
     def save(self, out_dir: str | Path) -> Path:
         """HF safetensors + config (+ generation config) and the source dir's tokenizer files."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out)  # safetensors: the only format in transformers 5
+        self.model.save_pretrained(out, state_dict=self._fp32_state_dict())  # safetensors only in transformers 5
         for name in TOKENIZER_FILES:
             src = self.source_dir / name
             if src.is_file() and not (out / name).exists():

@@ -202,6 +202,71 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+class _TokenLogProbs(torch.autograd.Function):
+    """log softmax(z)[target] and the entropy of softmax(z), in chunks of positions.
+
+    The same values as token_logprobs / entropy_from_logits, but the vocabulary-wide work
+    happens one cache-sized chunk at a time in fp32 while the (N, V) logits stay in their own
+    dtype (bf16 in the bf16 modes): no fp32 copy of the logits, no dense zero gradient for
+    the gather, no saved softmax. Backward recomputes softmax per chunk:
+        dlogp/dz = onehot(target) - p,    dH/dz = -p * (log p + H).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, with_entropy: bool, chunk: int):
+        z2 = logits.reshape(-1, logits.shape[-1])
+        t2 = targets.reshape(-1, 1)
+        n = z2.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        ent = torch.empty(n, dtype=torch.float32, device=logits.device) if with_entropy else None
+        for i in range(0, n, chunk):
+            zf = z2[i:i + chunk].float()
+            lse_c = torch.logsumexp(zf, dim=-1)
+            lse[i:i + chunk] = lse_c
+            logp[i:i + chunk] = zf.gather(-1, t2[i:i + chunk]).squeeze(-1) - lse_c
+            if ent is not None:
+                lp = zf - lse_c.unsqueeze(-1)  # not in place: .float() of fp32 logits is the logits
+                ent[i:i + chunk] = -(lp.exp() * lp).sum(-1)
+        ctx.save_for_backward(logits, targets, lse, ent if ent is not None else lse)
+        ctx.with_entropy, ctx.chunk = with_entropy, chunk
+        shape = logits.shape[:-1]
+        if ent is None:
+            return logp.view(shape), None
+        return logp.view(shape), ent.view(shape)
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        logits, targets, lse, ent = ctx.saved_tensors
+        z2 = logits.reshape(-1, logits.shape[-1])
+        t2 = targets.reshape(-1, 1)
+        n = z2.shape[0]
+        g_lp = g_logp.reshape(-1, 1).float() if g_logp is not None else torch.zeros(n, 1, device=logits.device)
+        g_h = g_ent.reshape(-1, 1).float() if (g_ent is not None and ctx.with_entropy) else None
+        grad = torch.empty_like(logits).reshape(-1, logits.shape[-1])
+        c = ctx.chunk
+        for i in range(0, n, c):
+            lp = z2[i:i + c].float() - lse[i:i + c].unsqueeze(-1)  # log p (a new tensor, so in-place below is safe)
+            p = lp.exp()
+            gz = p * -g_lp[i:i + c]
+            if g_h is not None:
+                gz -= p * lp.add_(ent[i:i + c].unsqueeze(-1)) * g_h[i:i + c]
+            gz.scatter_add_(-1, t2[i:i + c], g_lp[i:i + c])
+            grad[i:i + c] = gz
+        return grad.view_as(logits), None, None, None
+
+
+def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool = True,
+                           chunk: int = 32) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs of the targets, entropies or None), fp32, shape logits.shape[:-1]; differentiable in both.
+
+    Memory-light and fast form of token_logprobs + entropy_from_logits for training: see _TokenLogProbs.
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree")
+    return _TokenLogProbs.apply(logits, targets, with_entropy, chunk)
+
+
 # ---------------------------------------------------------------- the step loss
 
 
