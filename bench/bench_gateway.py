@@ -143,6 +143,10 @@ def main() -> int:
     ap.add_argument("--engine-ms", type=float, default=0.0,
                     help="time the test server takes per completion, as a real engine would (the reference "
                          "anchor's upstream answered in ~15 ms); 0 = answer at once (gateway CPU-bound)")
+    ap.add_argument("--engine-cpu-ms", type=float, default=0.0,
+                    help="CPU the test server computes per completion, one at a time (an engine that fills a "
+                         "core and competes with the gateway for the machine; 10 = at most ~100 req/s, the "
+                         "reference anchor's direct rate)")
     ap.add_argument("--clients", default="aiohttp,httpx",
                     help="gateway upstream clients to compare (one gateway process each)")
     args = ap.parse_args()
@@ -155,7 +159,7 @@ def main() -> int:
     cpu: dict[tuple[str, bool], tuple] = {}
     all_rids: list[str] = []
     states = {}
-    with LLMTestServer(latency_ms=args.engine_ms) as server:
+    with LLMTestServer(latency_ms=args.engine_ms, cpu_ms=args.engine_cpu_ms) as server:
         gws: dict[str, tuple[subprocess.Popen, str]] = {}
         try:
             for c in clients:
@@ -201,7 +205,7 @@ def main() -> int:
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"gateway benchmark: {os.cpu_count()} cores (load average {load:.1f}), loopback, Python "
-          f"{sys.version.split()[0]}, SQLite store, engine {args.engine_ms:g} ms/completion; sequential n={args.seq}, "
+          f"{sys.version.split()[0]}, SQLite store, engine {args.engine_ms:g} ms + {args.engine_cpu_ms:g} ms CPU/completion; sequential n={args.seq}, "
           f"{args.conc} concurrent n<={args.conc_requests}, cap {args.max_seconds:g}s/phase")
     header = f"{'mode':10s} {'metric':26s}" + "".join(f" {n:>10s}" for n in names) + "".join(
         f" {'added ' + n[3:]:>14s}" for n in names[1:])

@@ -211,8 +211,20 @@ def _responses_response(body: dict[str, Any]) -> dict[str, Any]:
             "usage": {"input_tokens": 5, "output_tokens": 5, "total_tokens": 10}}
 
 
-def build_app(latency_s: float = 0.0) -> Any:
-    """The ASGI app. `latency_s`: time every completion takes, as an engine's generation would."""
+def _burn(seconds: float) -> None:
+    """Keep this thread's core busy for `seconds` (on the event loop: completions are computed one at a time)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def build_app(latency_s: float = 0.0, cpu_s: float = 0.0) -> Any:
+    """The ASGI app. `latency_s`: time every completion takes, as an engine's generation would.
+
+    `cpu_s`: CPU time every completion computes, one completion at a time on the server's
+    event loop, like a CPU inference engine that fills a core: throughput is at most 1/cpu_s
+    and whatever else runs on the machine competes with it for cores.
+    """
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, StreamingResponse
@@ -240,6 +252,8 @@ def build_app(latency_s: float = 0.0) -> Any:
         chat = path.endswith("/chat/completions")
         if latency_s:
             await asyncio.sleep(latency_s)
+        if cpu_s:
+            _burn(cpu_s)
         if not body.get("stream"):
             return JSONResponse(_chat_response(body) if chat else _completion_response(body), headers=seen)
         delay = float(request.headers.get("x-test-delay", "0"))
@@ -291,9 +305,10 @@ def _child_env() -> dict[str, str]:
 class LLMTestServer:
     """The test server in a subprocess: `with LLMTestServer() as srv: OpenAI(base_url=srv.base_url)`."""
 
-    def __init__(self, port: int | None = None, *, latency_ms: float = 0.0) -> None:
+    def __init__(self, port: int | None = None, *, latency_ms: float = 0.0, cpu_ms: float = 0.0) -> None:
         self.port = port or free_port()
         self.latency_ms = latency_ms
+        self.cpu_ms = cpu_ms
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -303,7 +318,7 @@ class LLMTestServer:
 
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "lightning_middleware.testing", "--port", str(self.port),
-             "--latency-ms", str(self.latency_ms)],
+             "--latency-ms", str(self.latency_ms), "--cpu-ms", str(self.cpu_ms)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_child_env(),
         )
         deadline = time.monotonic() + timeout
@@ -342,8 +357,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--latency-ms", type=float, default=0.0, help="time each completion takes")
+    parser.add_argument("--cpu-ms", type=float, default=0.0,
+                        help="CPU each completion computes, one at a time (an engine that fills a core)")
     args = parser.parse_args(argv)
-    uvicorn.run(build_app(args.latency_ms / 1000), host=args.host, port=args.port, log_level="warning", access_log=False)
+    uvicorn.run(build_app(args.latency_ms / 1000, args.cpu_ms / 1000), host=args.host, port=args.port, log_level="warning", access_log=False)
 
 
 if __name__ == "__main__":

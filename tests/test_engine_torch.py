@@ -161,6 +161,22 @@ def test_bf16_precision_trains_fp32_masters_and_saves_them(model_dir, tmp_path):
         assert torch.equal(saved[name], by_id.get(id(t), t).detach().float()), name
 
 
+def test_compiled_layers_take_the_same_step(model_dir):
+    rows = make_rows(PROMPTS, advantages={"good": 1.0, "bad": -1.0})
+    results = []
+    for compiled in (False, True):
+        eng = TorchEngine(model_dir, TorchEngineConfig(lr=1e-3, compile=compiled))
+        metrics = [eng.step(rows) for _ in range(2)]
+        results.append((metrics, {k: v.detach().clone() for k, v in eng.model.state_dict().items()}))
+    (m_eager, s_eager), (m_comp, s_comp) = results
+    assert set(s_eager) == set(s_comp)  # compiling in place keeps the checkpoint's names
+    for a, b in zip(m_eager, m_comp):
+        for key in ("loss", "grad_norm", "entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    for k in s_eager:
+        assert torch.allclose(s_eager[k], s_comp[k], atol=1e-5), k
+
+
 def test_precision_is_checked(model_dir):
     with pytest.raises(ValueError, match="precision must be one of"):
         TorchEngine(model_dir, TorchEngineConfig(precision="fp16"))

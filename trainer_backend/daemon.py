@@ -350,6 +350,8 @@ def add_cli(sub: Any) -> None:
                    help="bf16 compute with fp32 master weights (torch: --precision bf16; verl: FSDP param dtype)")
     p.add_argument("--precision", choices=("fp32", "bf16-autocast", "bf16"), default=None,
                    help="torch engine precision (overrides --bf16)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch engine: torch.compile the decoder layers (faster steps after a slow first few)")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--tensorboard", default=None, help="write step metrics to this TensorBoard log dir")
     p.set_defaults(func=_cmd_trainer)
@@ -404,7 +406,7 @@ def _make_engine(args: Any, start_dir: Path, version: int) -> Engine:
 
     cfg = TorchEngineConfig(lr=args.lr, micro_batch_tokens=args.micro_batch_tokens,
                             freeze_embeddings=args.freeze_embeddings,
-                            precision=args.precision or ("bf16" if args.bf16 else "fp32"))
+                            precision=args.precision or ("bf16" if args.bf16 else "fp32"), compile=args.compile)
     return TorchEngine(start_dir, cfg, policy_version=version)
 
 

@@ -55,6 +55,10 @@ class TorchEngineConfig:
     # CPUs with AVX512-BF16, see docs/benchmarks.md).
     precision: str = "fp32"
     gradient_checkpointing: bool = False
+    # torch.compile each decoder layer (inductor fuses norms, rotary, SiLU and residual adds): ~8-10%
+    # faster steps on CPU once compiled. The first steps pay the compilation (15-60 s on 2 cores;
+    # a new batch shape recompiles once more, then torch marks the dimensions dynamic).
+    compile: bool = False
     reference_model: bool = False  # keep a frozen copy of the start weights for KL; implied by loss.kl_coef > 0
 
 
@@ -157,6 +161,8 @@ class TorchEngine:
             self.model.to(torch.bfloat16)
             if self.ref_model is not None:
                 self.ref_model.to(torch.bfloat16)
+        if config.compile:  # after the reference copy, which stays eager
+            self._compile_layers()
         # fused: one kernel for all parameters instead of a loop of small ops per tensor
         self.optimizer = torch.optim.AdamW(self.master, lr=config.lr, betas=config.betas, eps=config.adam_eps,
                                            weight_decay=config.weight_decay,
@@ -165,6 +171,15 @@ class TorchEngine:
         self.pad_id = int(pad) if pad is not None else 0
         log.info("TorchEngine: %s, %.2fM trainable params, %s, version %d", self.source_dir,
                  sum(p.numel() for p in self.params) / 1e6, config.precision, policy_version)
+
+    def _compile_layers(self) -> None:
+        """Compile the repeated decoder layers (one graph serves them all), not the whole model:
+        the embedding, output layer and our log-prob function stay eager and shape-agnostic."""
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        if layers is None:
+            raise ValueError(f"compile=True needs a decoder with .model.layers; {type(self.model).__name__} has none")
+        for layer in layers:
+            layer.compile()
 
     @property
     def lr(self) -> float:
