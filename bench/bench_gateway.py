@@ -6,8 +6,11 @@ Starts the deterministic test server (`lightning_middleware.testing`) and the
 gateway (`lightning-mw gateway`, SQLite store in a temp dir) as subprocesses on
 loopback, then measures from this process with an asyncio aiohttp client:
 
-- sequential per-call latency p50/p99 (one call at a time),
+- sequential per-call latency p50/p99 (one call at a time, round-robin over direct and
+  the gateways so that all see the same machine state),
 - per-call latency p50/p99 and throughput at `--conc` concurrent callers,
+- the same for `floor`: a pass-through proxy with no logic (aiohttp in and out), whose
+  added latency is what one more loopback hop costs on this machine,
 
 for non-streaming and streaming chat completions. Direct requests carry
 `return_token_ids` and `logprobs`, which the gateway injects, so the engine does
@@ -23,6 +26,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -106,6 +110,85 @@ async def _phase(urls: list[str], stream: bool, direct: bool, callers: int, tota
             "mean": statistics.fmean(lat) * 1000, "rps": len(lat) / wall}
 
 
+async def _seq_interleaved(targets: dict[str, tuple[list[str], bool]], stream: bool, total: int,
+                           max_s: float) -> dict[str, dict]:
+    """One call at a time, round-robin over the targets (direct, gw-aiohttp, ...), so that every
+    target sees the same machine: a VM's wake-up latency drifts by tenths of a millisecond
+    between back-to-back phases, as much as the gateway adds."""
+    connector = aiohttp.TCPConnector(limit=4 * len(targets))
+    lat: dict[str, list[float]] = {name: [] for name in targets}
+    salt = uuid.uuid4().hex[:6]
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as client:
+        for name, (urls, direct) in targets.items():  # warm each connection
+            body = _body(-1, stream, direct)
+            body["messages"][1]["content"] += f" warm {uuid.uuid4().hex}"
+            await _one(client, urls[0], body)
+        deadline = time.perf_counter() + max_s
+        for i in range(total):
+            if time.perf_counter() > deadline:
+                break
+            for name, (urls, direct) in targets.items():
+                body = _body(i, stream, direct)
+                body["messages"][1]["content"] += f" [{salt}]"
+                lat[name].append(await _one(client, urls[0], body))
+    return {name: {"n": len(v), "p50": _pct(v, 50) * 1000, "p99": _pct(v, 99) * 1000,
+                   "mean": statistics.fmean(v) * 1000} for name, v in lat.items()}
+
+
+def _passthrough_server(upstream: str, port: int) -> None:
+    """The floor: a proxy with no logic at all (aiohttp server + aiohttp client, body relayed
+    as bytes, streams chunk by chunk). What it adds is the cost of one more loopback hop and
+    process wake-up on this machine, which no gateway can avoid."""
+    from aiohttp import web
+
+    async def serve() -> None:
+        session = aiohttp.ClientSession(auto_decompress=False)
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            body = await request.read()
+            async with session.post(upstream + "/chat/completions", data=body,
+                                    headers={"content-type": "application/json"}) as r:
+                if "text/event-stream" not in r.headers.get("content-type", ""):
+                    return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+                out = web.StreamResponse(status=r.status, headers={"content-type": "text/event-stream"})
+                await out.prepare(request)
+                async for chunk in r.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", handler)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.Event().wait()
+
+    try:
+        import uvloop  # the gateway runs on uvloop too (uvicorn[standard])
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve())
+
+
+def _start_passthrough(upstream: str, port: int, log_path: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--passthrough-server", upstream, str(port)],
+                            stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(open(log_path).read()[-3000:])
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise TimeoutError("pass-through proxy did not start")
+
+
 def _start_gateway(upstream: str, store_url: str, port: int, log_path: str, client: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "lightning_middleware.cli", "gateway", "--upstream", upstream,
@@ -135,6 +218,9 @@ def _rollout_urls(gw_url: str, n: int) -> tuple[list[str], list[str]]:
 
 
 def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--passthrough-server":  # the floor proxy's own process
+        _passthrough_server(sys.argv[2], int(sys.argv[3]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=200, help="sequential calls per phase")
     ap.add_argument("--conc", type=int, default=32, help="concurrent callers")
@@ -154,7 +240,7 @@ def main() -> int:
 
     tmp = tempfile.mkdtemp(prefix="bench_gw_")
     store_url = f"sqlite:///{tmp}/traces.db"
-    names = ["direct"] + [f"gw-{c}" for c in clients]
+    names = ["direct", "floor"] + [f"gw-{c}" for c in clients]
     results: dict[tuple[str, bool, str], dict] = {}
     cpu: dict[tuple[str, bool], tuple] = {}
     all_rids: list[str] = []
@@ -166,26 +252,38 @@ def main() -> int:
                 port = free_port()
                 gws[f"gw-{c}"] = (_start_gateway(server.base_url, store_url, port,
                                                  os.path.join(tmp, f"gateway-{c}.log"), c), f"http://127.0.0.1:{port}")
-            urls: dict[str, tuple[list[str], bool]] = {"direct": ([server.base_url + "/chat/completions"], True)}
+            floor_port = free_port()
+            gws["floor"] = (_start_passthrough(server.base_url, floor_port, os.path.join(tmp, "floor.log")),
+                            f"http://127.0.0.1:{floor_port}")
+            urls: dict[str, tuple[list[str], bool]] = {
+                "direct": ([server.base_url + "/chat/completions"], True),
+                # the floor forwards what it is sent, so it gets the direct body (token IDs asked for)
+                "floor": ([f"http://127.0.0.1:{floor_port}/v1/chat/completions"], True)}
             for name, (_, gw_url) in gws.items():
+                if name == "floor":
+                    continue
                 rids, gw_urls = _rollout_urls(gw_url, args.conc)
                 all_rids += rids
                 urls[name] = (gw_urls, False)
             for stream in (False, True):
+                print(f"... sequential, interleaved, {'stream' if stream else 'non-stream'}", file=sys.stderr, flush=True)
+                seq = asyncio.run(_seq_interleaved(urls, stream, args.seq, args.max_seconds * len(names)))
+                for name in names:
+                    results[(name, stream, "seq")] = seq[name]
                 for name in names:
                     print(f"... {name} {'stream' if stream else 'non-stream'}", file=sys.stderr, flush=True)
                     gw_pid = gws[name][0].pid if name in gws else None
                     cpu0 = (_cpu_s(server._proc.pid), gw_pid and _cpu_s(gw_pid))  # type: ignore[union-attr]
                     phase_urls, direct = urls[name]
-                    results[(name, stream, "seq")] = asyncio.run(
-                        _phase(phase_urls, stream, direct, 1, args.seq, args.max_seconds))
                     results[(name, stream, "conc")] = asyncio.run(
                         _phase(phase_urls, stream, direct, args.conc, args.conc_requests, args.max_seconds))
                     cpu1 = (_cpu_s(server._proc.pid), gw_pid and _cpu_s(gw_pid))  # type: ignore[union-attr]
-                    n = results[(name, stream, "seq")]["n"] + results[(name, stream, "conc")]["n"] + args.conc + 1
+                    n = results[(name, stream, "conc")]["n"] + args.conc  # CPU of the concurrent phase only
                     cpu[(name, stream)] = tuple(
                         None if not a or not b else (b - a) * 1000 / n for a, b in zip(cpu0, cpu1))
             for name, (_, gw_url) in gws.items():
+                if name == "floor":
+                    continue
                 for rid_url in urls[name][0]:
                     rid = rid_url.split("/rollouts/")[1].split("/")[0]
                     httpx.post(gw_url + f"/rollouts/{rid}/finish", json={"reward": 1.0}, timeout=60).raise_for_status()
@@ -208,7 +306,7 @@ def main() -> int:
           f"{sys.version.split()[0]}, SQLite store, engine {args.engine_ms:g} ms + {args.engine_cpu_ms:g} ms CPU/completion; sequential n={args.seq}, "
           f"{args.conc} concurrent n<={args.conc_requests}, cap {args.max_seconds:g}s/phase")
     header = f"{'mode':10s} {'metric':26s}" + "".join(f" {n:>10s}" for n in names) + "".join(
-        f" {'added ' + n[3:]:>14s}" for n in names[1:])
+        f" {'added ' + n.removeprefix('gw-'):>14s}" for n in names[1:])
     print(header)
     print("-" * len(header))
     for stream in (False, True):
@@ -225,11 +323,15 @@ def main() -> int:
         engine_cpu = [cpu[(n, stream)][0] for n in names]
         gw_cpu = [cpu[(n, stream)][1] for n in names]
         if None not in engine_cpu:
-            print(f"{mode:10s} {'CPU ms/call, engine':26s}" + "".join(f" {v:10.2f}" for v in engine_cpu))
+            print(f"{mode:10s} {'CPU ms/call, engine (conc)':26s}" + "".join(f" {v:10.2f}" for v in engine_cpu))
         if None not in gw_cpu[1:]:
-            print(f"{mode:10s} {'CPU ms/call, gateway':26s} {'':>10s}" + "".join(f" {v:10.2f}" for v in gw_cpu[1:]))
+            print(f"{mode:10s} {'CPU ms/call, gw (conc)':26s} {'':>10s}" + "".join(f" {v:10.2f}" for v in gw_cpu[1:]))
         print(f"{mode:10s} {'calls measured (seq/conc)':26s}" + "".join(
             f" {results[(n, stream, 'seq')]['n']:>4d}/{results[(n, stream, 'conc')]['n']:<5d}" for n in names))
+    for stream in (False, True):
+        floor = results[("floor", stream, "seq")]["p50"]
+        print(f"{'stream' if stream else 'non-stream':10s} sequential p50 over the floor (the gateway's own work): "
+              + ", ".join(f"{n} {results[(n, stream, 'seq')]['p50'] - floor:+.2f} ms" for n in names[2:]))
     print(f"recorded llm_calls: {recorded} (training: {training}); gateway counters: {states}")
     return 0
 

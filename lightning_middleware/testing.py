@@ -212,9 +212,10 @@ def _responses_response(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _burn(seconds: float) -> None:
-    """Keep this thread's core busy for `seconds` (on the event loop: completions are computed one at a time)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    """Compute for `seconds` of this thread's CPU time (not wall time: on a busy machine it takes longer,
+    as a real engine's work would). On the event loop, so completions are computed one at a time."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
         pass
 
 

@@ -599,3 +599,22 @@ def test_store_outage_is_a_503(gw_lite: Gateway, sqlite_store: TraceStore, monke
     monkeypatch.setattr(sqlite_store, "create_rollout", down)
     r = httpx.post(gw_lite.url + "/rollouts", json={"task_id": "t"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable" and r.headers["retry-after"]
+
+
+def test_test_server_cpu_ms_computes_each_completion_on_a_core():
+    """The benchmark's CPU-bound engine (`--engine-cpu-ms`): each completion burns its CPU time, one at a time."""
+    with LLMTestServer(cpu_ms=40) as srv:
+        def cpu_s() -> float:
+            with open(f"/proc/{srv._proc.pid}/stat") as f:  # type: ignore[union-attr]
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        body = {"model": "m", "messages": MSGS}
+        httpx.post(srv.base_url + "/chat/completions", json=body, timeout=30).raise_for_status()  # warm
+        c0, t0 = cpu_s(), time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # 4 at once still take 4 x 40 ms: serial
+            codes = list(pool.map(lambda _: httpx.post(srv.base_url + "/chat/completions", json=body,
+                                                       timeout=30).status_code, range(4)))
+        wall, cpu = time.perf_counter() - t0, cpu_s() - c0
+    assert codes == [200] * 4
+    assert wall >= 0.16 and cpu >= 0.14, (wall, cpu)  # 4 x 40 ms, less a clock tick of rounding
