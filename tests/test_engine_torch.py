@@ -232,3 +232,23 @@ def test_set_lr_changes_the_next_update_and_rejects_nonsense(model_dir):
         with pytest.raises(ValueError, match="learning rate"):
             eng.set_lr(bad)
     assert eng.lr == 1e-3
+
+
+def test_trainer_cli_flags_reach_the_torch_engine(model_dir):
+    import argparse
+
+    from trainer_backend.daemon import _make_engine, add_cli
+
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+
+    def engine_for(*flags: str) -> TorchEngine:
+        args = parser.parse_args(["trainer", "--store", "sqlite:///x.db", "--model", str(model_dir), *flags])
+        return _make_engine(args, model_dir, 0)
+
+    assert engine_for().config.precision == "fp32"
+    assert engine_for("--bf16").config.precision == "bf16"  # bf16 compute, fp32 masters: as verl's --bf16
+    eng = engine_for("--bf16", "--precision", "bf16-autocast", "--compile")  # --precision wins
+    assert eng.config.precision == "bf16-autocast" and eng.config.compile
+    with pytest.raises(SystemExit):
+        engine_for("--precision", "fp16")
