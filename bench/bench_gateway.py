@@ -41,7 +41,7 @@ import orjson
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from lightning_middleware.testing import LLMTestServer, free_port  # noqa: E402
+from lightning_middleware.testing import LLMTestServer, free_port, process_cpu_seconds  # noqa: E402
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -49,14 +49,9 @@ def _pct(values: list[float], p: float) -> float:
     return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
 
 
-def _cpu_s(pid: int) -> float | None:
-    """User+system CPU seconds of a process so far (Linux), None elsewhere."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
+def _summary(lat: list[float]) -> dict:
+    return {"n": len(lat), "p50": _pct(lat, 50) * 1000, "p99": _pct(lat, 99) * 1000,
+            "mean": statistics.fmean(lat) * 1000}
 
 
 def _body(i: int, stream: bool, direct: bool) -> dict:
@@ -106,8 +101,7 @@ async def _phase(urls: list[str], stream: bool, direct: bool, callers: int, tota
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(k) for k in range(callers)))
         wall = time.perf_counter() - t0
-    return {"n": len(lat), "p50": _pct(lat, 50) * 1000, "p99": _pct(lat, 99) * 1000,
-            "mean": statistics.fmean(lat) * 1000, "rps": len(lat) / wall}
+    return {**_summary(lat), "rps": len(lat) / wall}
 
 
 async def _seq_interleaved(targets: dict[str, tuple[list[str], bool]], stream: bool, total: int,
@@ -131,8 +125,7 @@ async def _seq_interleaved(targets: dict[str, tuple[list[str], bool]], stream: b
                 body = _body(i, stream, direct)
                 body["messages"][1]["content"] += f" [{salt}]"
                 lat[name].append(await _one(client, urls[0], body))
-    return {name: {"n": len(v), "p50": _pct(v, 50) * 1000, "p99": _pct(v, 99) * 1000,
-                   "mean": statistics.fmean(v) * 1000} for name, v in lat.items()}
+    return {name: _summary(v) for name, v in lat.items()}
 
 
 def _passthrough_server(upstream: str, port: int) -> None:
@@ -273,11 +266,11 @@ def main() -> int:
                 for name in names:
                     print(f"... {name} {'stream' if stream else 'non-stream'}", file=sys.stderr, flush=True)
                     gw_pid = gws[name][0].pid if name in gws else None
-                    cpu0 = (_cpu_s(server._proc.pid), gw_pid and _cpu_s(gw_pid))  # type: ignore[union-attr]
+                    cpu0 = (process_cpu_seconds(server.pid), gw_pid and process_cpu_seconds(gw_pid))  # type: ignore[arg-type]
                     phase_urls, direct = urls[name]
                     results[(name, stream, "conc")] = asyncio.run(
                         _phase(phase_urls, stream, direct, args.conc, args.conc_requests, args.max_seconds))
-                    cpu1 = (_cpu_s(server._proc.pid), gw_pid and _cpu_s(gw_pid))  # type: ignore[union-attr]
+                    cpu1 = (process_cpu_seconds(server.pid), gw_pid and process_cpu_seconds(gw_pid))  # type: ignore[arg-type]
                     n = results[(name, stream, "conc")]["n"] + args.conc  # CPU of the concurrent phase only
                     cpu[(name, stream)] = tuple(
                         None if not a or not b else (b - a) * 1000 / n for a, b in zip(cpu0, cpu1))

@@ -303,6 +303,16 @@ def _child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds a process has used so far (Linux /proc), None where unavailable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class LLMTestServer:
     """The test server in a subprocess: `with LLMTestServer() as srv: OpenAI(base_url=srv.base_url)`."""
 
@@ -313,6 +323,11 @@ class LLMTestServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
         self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The server process's id while it runs (e.g. for process_cpu_seconds)."""
+        return self._proc.pid if self._proc is not None else None
 
     def start(self, timeout: float = 30.0) -> "LLMTestServer":
         import httpx

@@ -25,7 +25,7 @@ import sqlalchemy as sa
 
 from lightning_middleware import TraceStore
 from lightning_middleware.gateway import UPSTREAM_CLIENTS, Gateway, GatewayConfigError, scrub_secrets
-from lightning_middleware.testing import LLMTestServer, free_port, render_chat, tokenize
+from lightning_middleware.testing import LLMTestServer, free_port, process_cpu_seconds, render_chat, tokenize
 
 MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 2+2?"}]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -605,9 +605,9 @@ def test_test_server_cpu_ms_computes_each_completion_on_a_core():
     """The benchmark's CPU-bound engine (`--engine-cpu-ms`): each completion burns its CPU time, one at a time."""
     with LLMTestServer(cpu_ms=40) as srv:
         def cpu_s() -> float:
-            with open(f"/proc/{srv._proc.pid}/stat") as f:  # type: ignore[union-attr]
-                fields = f.read().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            seconds = process_cpu_seconds(srv.pid)  # type: ignore[arg-type]
+            assert seconds is not None
+            return seconds
 
         body = {"model": "m", "messages": MSGS}
         httpx.post(srv.base_url + "/chat/completions", json=body, timeout=30).raise_for_status()  # warm
