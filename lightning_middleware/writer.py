@@ -88,7 +88,9 @@ class BatchWriter:
                 return False
             self._seq += 1
             self._buffer.append((self._seq, (kind, payload)))
-            if len(self._buffer) >= self._max_batch:
+            # Wake the writer when the buffer stops being empty (it then waits up to interval_s
+            # for more) or fills a batch; not on every op, which would cost a wake-up per call.
+            if len(self._buffer) == 1 or len(self._buffer) >= self._max_batch:
                 self._cond.notify_all()
             return True
 

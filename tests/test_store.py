@@ -217,3 +217,21 @@ def test_sqlite_is_in_wal_mode(tmp_path) -> None:
     s = TraceStore(f"sqlite:///{tmp_path / 'w.db'}")
     with s.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+
+
+def test_a_submitted_op_reaches_disk_without_a_flush(store_url: str) -> None:
+    """The writer's promise: an op is on disk about `interval_s` after it was submitted, even if
+    nobody calls flush() (a process killed later loses only the last interval)."""
+    writer_store = TraceStore(store_url, writer_interval_s=0.02)
+    reader_store = TraceStore(store_url)
+    try:
+        for round_ in range(3):  # the first op after an idle writer, every time
+            writer_store.submit_call(_call("unflushed", round_))
+            deadline = time.monotonic() + 10
+            while reader_store.count("llm_calls") < round_ + 1:
+                assert time.monotonic() < deadline, f"op {round_} not written within 10 s without a flush"
+                time.sleep(0.01)
+            assert writer_store.writer_stats().pending == 0
+    finally:
+        writer_store.close()
+        reader_store.close()
