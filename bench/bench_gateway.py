@@ -106,7 +106,7 @@ async def _phase(urls: list[str], stream: bool, direct: bool, callers: int, tota
 
 async def _seq_interleaved(targets: dict[str, tuple[list[str], bool]], stream: bool, total: int,
                            max_s: float) -> dict[str, dict]:
-    """One call at a time, round-robin over the targets (direct, gw-aiohttp, ...), so that every
+    """One call at a time, round-robin over the targets (direct, floor, gateway), so that every
     target sees the same machine: a VM's wake-up latency drifts by tenths of a millisecond
     between back-to-back phases, as much as the gateway adds."""
     connector = aiohttp.TCPConnector(limit=4 * len(targets))
@@ -182,11 +182,10 @@ def _start_passthrough(upstream: str, port: int, log_path: str) -> subprocess.Po
     raise TimeoutError("pass-through proxy did not start")
 
 
-def _start_gateway(upstream: str, store_url: str, port: int, log_path: str, client: str) -> subprocess.Popen:
+def _start_gateway(upstream: str, store_url: str, port: int, log_path: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "lightning_middleware.cli", "gateway", "--upstream", upstream,
-                             "--store", store_url, "--port", str(port), "--policy-version", "1",
-                             "--upstream-client", client],
+                             "--store", store_url, "--port", str(port), "--policy-version", "1"],
                             env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -226,14 +225,11 @@ def main() -> int:
                     help="CPU the test server computes per completion, one at a time (an engine that fills a "
                          "core and competes with the gateway for the machine; 10 = at most ~100 req/s, the "
                          "reference anchor's direct rate)")
-    ap.add_argument("--clients", default="aiohttp,httpx",
-                    help="gateway upstream clients to compare (one gateway process each)")
     args = ap.parse_args()
-    clients = [c for c in args.clients.split(",") if c]
 
     tmp = tempfile.mkdtemp(prefix="bench_gw_")
     store_url = f"sqlite:///{tmp}/traces.db"
-    names = ["direct", "floor"] + [f"gw-{c}" for c in clients]
+    names = ["direct", "floor", "gateway"]
     results: dict[tuple[str, bool, str], dict] = {}
     cpu: dict[tuple[str, bool], tuple] = {}
     all_rids: list[str] = []
@@ -241,10 +237,9 @@ def main() -> int:
     with LLMTestServer(latency_ms=args.engine_ms, cpu_ms=args.engine_cpu_ms) as server:
         gws: dict[str, tuple[subprocess.Popen, str]] = {}
         try:
-            for c in clients:
-                port = free_port()
-                gws[f"gw-{c}"] = (_start_gateway(server.base_url, store_url, port,
-                                                 os.path.join(tmp, f"gateway-{c}.log"), c), f"http://127.0.0.1:{port}")
+            port = free_port()
+            gws["gateway"] = (_start_gateway(server.base_url, store_url, port, os.path.join(tmp, "gateway.log")),
+                              f"http://127.0.0.1:{port}")
             floor_port = free_port()
             gws["floor"] = (_start_passthrough(server.base_url, floor_port, os.path.join(tmp, "floor.log")),
                             f"http://127.0.0.1:{floor_port}")
@@ -299,7 +294,7 @@ def main() -> int:
           f"{sys.version.split()[0]}, SQLite store, engine {args.engine_ms:g} ms + {args.engine_cpu_ms:g} ms CPU/completion; sequential n={args.seq}, "
           f"{args.conc} concurrent n<={args.conc_requests}, cap {args.max_seconds:g}s/phase")
     header = f"{'mode':10s} {'metric':26s}" + "".join(f" {n:>10s}" for n in names) + "".join(
-        f" {'added ' + n.removeprefix('gw-'):>14s}" for n in names[1:])
+        f" {'added ' + n:>14s}" for n in names[1:])
     print(header)
     print("-" * len(header))
     for stream in (False, True):

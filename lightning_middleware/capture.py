@@ -136,6 +136,17 @@ class _Pending:
     def store(self) -> TraceStore:
         return self.state.store if self.state is not None else self.settings.store
 
+    def rejected(self, status_code: int, host: str) -> bool:
+        """Did `host` answer 400 to fields we added? Then stop adding them there: the caller's
+        request is resent as written (`self.body`), and recording is never why a call fails."""
+        if not (self.added and status_code == 400):
+            return False
+        self.settings.no_inject_hosts.add(host)
+        _warn_once(f"reject:{host}", "%s rejected return_token_ids/logprobs (not vLLM?); sending requests "
+                   "to it unchanged from now on, without token IDs", host)
+        self.added = frozenset()
+        return True
+
     def finish(self, *, status_code: int | None = None, chunks: list[bytes] | None = None,
                headers: Any = None, error: str | None = None) -> None:
         """Hand the call to the store's writer exactly once. Never raises."""
@@ -223,19 +234,34 @@ def _begin(settings: CaptureSettings, request: Any, body: bytes) -> tuple[_Pendi
     header_rid = request.headers.get(ROLLOUT_HEADER)
     if state is None and header_rid:
         state = state_for_header(header_rid, settings.store)
+    return begin_call(settings, endpoint, payload, body, state, request.url.host,
+                      agent_name=request.headers.get(AGENT_HEADER) or current_agent(),
+                      attempt=attempt_of(request.headers))
+
+
+def attempt_of(headers: Any) -> int:
+    """Which attempt of a call this request is (the SDKs count their retries in a header)."""
+    try:
+        return int(headers.get("x-stainless-retry-count", "0")) + 1
+    except ValueError:
+        return 1
+
+
+def begin_call(settings: CaptureSettings, endpoint: str, payload: dict[str, Any], body: bytes,
+               state: RolloutState | None, host: str, *, agent_name: str | None = None,
+               attempt: int = 1) -> tuple[_Pending | None, bytes | None]:
+    """Start recording one call whose body is already parsed: (pending, body to send instead, or None).
+
+    The recording transport enters here for every request it sees; the gateway, which
+    has parsed and routed the request itself, enters here directly. None: not recorded.
+    """
     if state is None and not settings.record_unattached:
         return None, None
-    additions = _additions(settings, endpoint, payload, state, request.url.host)
-    try:
-        retries = int(request.headers.get("x-stainless-retry-count", "0"))
-    except ValueError:
-        retries = 0
+    additions = _additions(settings, endpoint, payload, state, host)
     pending = _Pending(
         settings=settings, endpoint=endpoint, state=state,
         call_index=state.next_call_index() if state is not None else settings._unattached_counter(),
-        attempt=retries + 1,
-        agent_name=request.headers.get(AGENT_HEADER) or current_agent(),
-        body=body, payload=payload, added=frozenset(additions),
+        attempt=attempt, agent_name=agent_name, body=body, payload=payload, added=frozenset(additions),
     )
     if endpoint == "responses":
         _warn_once("responses", "Responses API calls are recorded but vLLM returns no token IDs there; "
@@ -389,13 +415,8 @@ def transport_classes(module: types.ModuleType) -> tuple[type, type]:
 
     def rejected_injection(pending: _Pending, request: Any, response: Any) -> bool:
         """A 400 to a request we changed: resend it as the caller wrote it, and stop changing that host's."""
-        if not (pending.added and response.status_code == 400):
+        if not pending.rejected(response.status_code, request.url.host):
             return False
-        host = request.url.host
-        pending.settings.no_inject_hosts.add(host)
-        _warn_once(f"reject:{host}", "%s rejected return_token_ids/logprobs (not vLLM?); sending requests "
-                   "to it unchanged from now on, without token IDs", host)
-        pending.added = frozenset()
         set_body(request, pending.body)
         return True
 

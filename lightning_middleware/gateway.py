@@ -1,9 +1,12 @@
 """The gateway: an OpenAI-compatible capturing proxy in front of vLLM replicas.
 
 Agents in any language point their OpenAI base URL at the gateway; every chat /
-completions call is recorded into the trace store with exact token IDs, by the
-same recording transport `wrap()` uses (in front of the gateway's upstream
-connection, aiohttp by default; the rollout passed through the rollout context).
+completions call is recorded into the trace store with exact token IDs by the
+same capture code `wrap()` installs (`capture.begin_call`: token-ID injection,
+the record built on the store's writer thread). The proxy routes are served by a
+raw ASGI handler and forwarded with one aiohttp session: the per-call path runs
+no router, middleware or request/response objects it does not need, because on a
+2-core machine each one shows up in the latency a caller sees.
 
     lightning-mw gateway --upstream http://127.0.0.1:8000/v1 --store sqlite:///traces.db
 
@@ -22,7 +25,7 @@ Training safety: an `Idempotency-Key` request header replays the stored response
 rollout while the first is in flight or within `retry_window_s` after it
 succeeded are answered from the first (a client's retry storm stays one call).
 
-Heavy imports (starlette, uvicorn) happen inside functions: importing this
+Heavy imports (starlette, uvicorn, aiohttp) happen inside functions: importing this
 module (the CLI does, to register its subcommand) stays cheap.
 """
 
@@ -48,8 +51,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _json
-from .capture import CaptureSettings, scrub_secrets, transport_classes  # noqa: F401  (scrub_secrets: API)
-from .context import RolloutState, _current
+from .capture import CaptureSettings, attempt_of, begin_call, scrub_secrets
+from .context import AGENT_HEADER, RolloutState
 from .records import Mode, Reward, Rollout, RolloutStatus
 from .store import StoreError, TraceStore, get_store
 
@@ -67,11 +70,12 @@ _ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,64}$")
 _DROP_REQUEST_HEADERS = frozenset({
     "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
     "proxy-authorization", "proxy-connection", "authorization", "cookie", "x-api-key", "api-key",
-    "idempotency-key", ROLLOUT_HEADER, "accept-encoding", "expect",
+    "idempotency-key", ROLLOUT_HEADER, AGENT_HEADER, "accept-encoding", "expect",
 })
 _DROP_RESPONSE_HEADERS = frozenset({
-    "content-length", "transfer-encoding", "connection", "keep-alive", "date", "server", "content-encoding",
+    b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"date", b"server", b"content-encoding",
 })
+_JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
 class GatewayConfigError(ValueError):
@@ -87,6 +91,10 @@ class _HTTPError(Exception):
     def body(self) -> bytes:
         return json.dumps({"error": {"message": self.message, "type": self.type, "code": self.code or self.status}}
                           ).encode()
+
+    def reply(self) -> "_Full":
+        return _Full(self.status, [*_JSON_HEADERS, *((k.lower().encode("latin-1"), v.encode("latin-1"))
+                                                     for k, v in self.headers.items())], self.body())
 
 
 def _is_loopback(host: str) -> bool:
@@ -107,9 +115,15 @@ class Upstream:
     index: int
     url: str  # root, without /v1
     healthy: bool = True
+    host: str = field(init=False)  # where capture's per-host injection switch applies
     last_check: float | None = None
     last_error: str | None = None
     active: int = 0
+
+    def __post_init__(self) -> None:
+        from urllib.parse import urlsplit
+
+        self.host = urlsplit(self.url).hostname or ""
 
     def as_dict(self) -> dict[str, Any]:
         return {"index": self.index, "url": self.url, "healthy": self.healthy, "last_check": self.last_check,
@@ -135,7 +149,7 @@ def _rendezvous(key: str, upstreams: list[Upstream]) -> Upstream:
 @dataclass
 class _Cached:
     status: int
-    headers: list[tuple[str, str]]
+    headers: list[tuple[bytes, bytes]]  # as sent to the caller (ASGI form)
     body: bytes
 
 
@@ -157,47 +171,29 @@ class _RolloutEntry:
 
 
 # --------------------------------------------------------------------------
-# Stamping the policy version that served a call (read by capture from the response header)
+# Upstream failures, named as callers know them
 # --------------------------------------------------------------------------
 
-def _stamp_transport_class() -> type:
-    import httpx
+def _failure_name(exc: BaseException) -> str:
+    """A short, stable name for an upstream failure (recorded in the call's error, and in the 5xx)."""
+    import aiohttp
 
-    class StampTransport(httpx.AsyncBaseTransport):
-        """Puts the gateway's policy version for this call on the upstream response, where the
-        recording transport (wrapped around this one) reads it, and the client gets it."""
-
-        def __init__(self, inner: Any) -> None:
-            self.inner = inner
-
-        async def handle_async_request(self, request: Any) -> Any:
-            version = request.extensions.get(_PV_EXT)
-            response = await self.inner.handle_async_request(request)
-            if version is not None:
-                response.headers[POLICY_HEADER] = str(version)
-            return response
-
-        async def aclose(self) -> None:
-            await self.inner.aclose()
-
-    return StampTransport
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return "ConnectTimeout"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "ConnectError"
+    if isinstance(exc, (aiohttp.ServerTimeoutError, TimeoutError)):
+        return "ReadTimeout"
+    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError)):
+        return "RemoteProtocolError"
+    return type(exc).__name__
 
 
-UPSTREAM_CLIENTS = ("aiohttp", "httpx")
+def _unreachable(exc: BaseException) -> bool:
+    """Nothing reached the replica (so another one may be tried)."""
+    import aiohttp
 
-
-def _upstream_transport(kind: str) -> Any:
-    """The bottom of the upstream client: aiohttp (C parser, the default) or httpx's own httpcore."""
-    import httpx
-
-    if kind == "aiohttp":
-        try:
-            from lightning_middleware._upstream import AiohttpTransport
-        except ImportError:  # installed without the gateway extra: still works, at more CPU per call
-            log.warning("aiohttp is not installed; the gateway talks to its upstreams through httpx")
-        else:
-            return AiohttpTransport(max_connections=256)
-    return httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+    return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
 
 
 # --------------------------------------------------------------------------
@@ -233,8 +229,6 @@ class Gateway:
         max_cached_responses: int = 1024,
         record_unattached: bool = True,
         policy_version: int | None = None,
-        client_shards: int = 8,
-        upstream_client: str = "aiohttp",
     ) -> None:
         if isinstance(upstreams, str):
             upstreams = [upstreams]
@@ -248,9 +242,6 @@ class Gateway:
                 "or bind 127.0.0.1")
         if max_body_bytes <= 0:
             raise GatewayConfigError("max_body_bytes must be positive")
-        if upstream_client not in UPSTREAM_CLIENTS:
-            raise GatewayConfigError(f"upstream_client must be one of {UPSTREAM_CLIENTS}, got {upstream_client!r}")
-        self.upstream_client = upstream_client
         self.upstreams = [Upstream(i, _root_url(u)) for i, u in enumerate(upstreams)]
         self.store = get_store(store)
         self.host, self.port, self.token = host, port, token
@@ -276,12 +267,9 @@ class Gateway:
         self._rollouts: dict[str, _RolloutEntry] = {}
         self._flights: OrderedDict[tuple[str, ...], _Flight] = OrderedDict()
         self._rr = itertools.count()
-        self._shard = itertools.count()
-        self._client: Any = None  # plain GETs (/v1/models)
-        self._transports: list[Any] = []  # forwarded calls: capture -> stamp -> upstream connection
-        self._timeout: dict[str, float] = {}
-        self.client_shards = max(1, client_shards)
-        self._health_client: Any = None
+        self._session: Any = None  # one aiohttp.ClientSession for every upstream request
+        self._call_timeout: Any = None
+        self._capture: CaptureSettings | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._app: Any = None
@@ -293,7 +281,7 @@ class Gateway:
     @property
     def app(self) -> Any:
         if self._app is None:
-            self._app = _build_starlette(self)
+            self._app = _App(self, _build_starlette(self))
         return self._app
 
     @property
@@ -316,29 +304,21 @@ class Gateway:
             self._idle.set()
 
     async def startup(self) -> None:
-        import httpx
+        import aiohttp
 
         self._events()
-        if self._client is None:
-            # The chain each forwarded call goes through: capture (the same recording transport
-            # wrap() installs), the policy-version stamp, then the upstream connection. Called
-            # directly rather than through an httpx.AsyncClient: the client's per-request work
-            # (URL merging, auth and redirect loops, cookies) bought the gateway nothing.
-            # Several shards: with the httpx upstream client, httpcore's pool does work
-            # proportional to (queued requests x connections), which dominated at 32 concurrent.
+        if self._session is None:
+            # aiohttp: its C HTTP parser and cheap pool cost a fraction of httpx/httpcore's
+            # pure-Python h11 per call. Bodies arrive decoded, so capture sees plain bytes.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=256, limit_per_host=0),
+                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+                cookie_jar=aiohttp.DummyCookieJar())
+            self._call_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s,
+                                                       sock_read=self.upstream_timeout_s)
             # strip_added=False: gateway callers get the engine's token IDs and logprobs too.
-            settings = CaptureSettings(store=self.store, record_unattached=self.record_unattached,
-                                       strip_added=False)
-            _, recording = transport_classes(httpx)
-            stamp = _stamp_transport_class()
-            shards = 1 if self.upstream_client == "aiohttp" else self.client_shards
-            self._transports = [recording(stamp(_upstream_transport(self.upstream_client)), settings)
-                                for _ in range(shards)]
-            self._timeout = {"connect": self.connect_timeout_s, "read": self.upstream_timeout_s,
-                             "write": self.upstream_timeout_s, "pool": self.upstream_timeout_s}
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.upstream_timeout_s,
-                                                                   connect=self.connect_timeout_s))
-            self._health_client = httpx.AsyncClient(timeout=self.health_timeout_s)
+            self._capture = CaptureSettings(store=self.store, record_unattached=self.record_unattached,
+                                            strip_added=False)
         if self._health_task is None and self.health_interval_s > 0:
             self._health_task = asyncio.create_task(self._health_loop())
 
@@ -348,11 +328,9 @@ class Gateway:
             with contextlib.suppress(BaseException):
                 await self._health_task
             self._health_task = None
-        for c in [*self._transports, self._client, self._health_client]:
-            if c is not None:
-                await c.aclose()
-        self._client = self._health_client = None
-        self._transports = []
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
         await asyncio.to_thread(self.store.flush, 10.0)
 
     def start(self, timeout: float = 30.0) -> "Gateway":
@@ -487,11 +465,14 @@ class Gateway:
         return healthy[next(self._rr) % len(healthy)]
 
     async def _check(self, u: Upstream) -> None:
+        import aiohttp
+
         try:
-            r = await self._health_client.get(u.url + "/health")
-            ok, err = r.status_code == 200, None if r.status_code == 200 else f"health HTTP {r.status_code}"
+            async with self._session.get(u.url + "/health",
+                                         timeout=aiohttp.ClientTimeout(total=self.health_timeout_s)) as r:
+                ok, err = r.status == 200, None if r.status == 200 else f"health HTTP {r.status}"
         except Exception as exc:  # noqa: BLE001 - any failure is "unhealthy"
-            ok, err = False, f"{type(exc).__name__}: {exc}"
+            ok, err = False, f"{_failure_name(exc)}: {exc}"
         if ok != u.healthy:
             log.warning("upstream %s is now %s%s", u.url, "healthy" if ok else "unhealthy", f" ({err})" if err else "")
         u.healthy, u.last_error, u.last_check = ok, err, time.time()
@@ -618,15 +599,37 @@ class Gateway:
             return
 
     # -- the proxied call -----------------------------------------------------
-    async def proxy(self, request: Any, path: str, rollout_id: str | None) -> Any:
-        from starlette.responses import Response
+    async def serve_proxy(self, scope: dict[str, Any], receive: Any, send: Any, path: str,
+                          rollout_id: str | None) -> None:
+        """Serve one POST to a proxy route (`path` is "chat/completions" or "completions")."""
+        pairs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+        try:
+            headers = dict(pairs)
+            self.check_auth(headers.get("authorization", ""))
+            reply = await self.proxy(pairs, headers, receive, path, rollout_id)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
+            reply = _error_reply(exc, "POST", scope["path"])
+        await reply(scope, receive, send)
 
-        header_rid = request.headers.get(ROLLOUT_HEADER)
+    def check_auth(self, authorization: str) -> None:
+        if not self.token:
+            return
+        scheme, _, value = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self.token.encode()):
+            raise _HTTPError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
+                             type="authentication_error", code="unauthorized",
+                             headers={"WWW-Authenticate": "Bearer"})
+
+    async def proxy(self, pairs: list[tuple[str, str]], headers: dict[str, str], receive: Any, path: str,
+                    rollout_id: str | None) -> Any:
+        """Admit, deduplicate, record and forward one call. Returns the ASGI response to send;
+        raises `_HTTPError` while nothing has been sent yet."""
+        header_rid = headers.get(ROLLOUT_HEADER)
         if header_rid and rollout_id and header_rid != rollout_id:
             raise _HTTPError(400, f"x-rollout-id {header_rid!r} disagrees with the URL's rollout {rollout_id!r}",
                              code="rollout_mismatch")
         rollout_id = rollout_id or header_rid or None
-        raw = await _read_body(request, self.max_body_bytes)
+        raw = await _receive_body(receive, headers, self.max_body_bytes)
         try:
             payload = _json.loads(raw)  # orjson; the standard library below only for what it rejects
         except ValueError:
@@ -645,7 +648,7 @@ class Gateway:
 
         key: tuple[str, ...] | None = None
         ttl = 0.0
-        idem = request.headers.get("idempotency-key")
+        idem = headers.get("idempotency-key")
         if idem:
             key, ttl = ("idem", rollout_id or "", idem), self.idempotency_ttl_s
         elif rollout_id and self.retry_window_s > 0:
@@ -675,8 +678,7 @@ class Gateway:
                 self.counters["replayed"] += 1
                 cached = found.result
                 assert cached is not None
-                return Response(cached.body, status_code=cached.status,
-                                headers=_header_dict(cached.headers + [(REPLAY_HEADER, "1")]))
+                return _Full(cached.status, cached.headers + [(REPLAY_HEADER.encode(), b"1")], cached.body)
 
         ok_result: _Cached | None = None
         admitted = False
@@ -687,46 +689,46 @@ class Gateway:
                 entry.in_flight += 1
                 entry.idle.clear()
             self.counters["calls"] += 1
-            response = await self._send(request, path, raw, rollout_id, entry, version)
-            status = response.status_code
-            headers = _response_headers(response)
-            if not stream or not 200 <= status < 300 or "text/event-stream" not in response.headers.get(
-                    "content-type", ""):
+            call = await self._forward(pairs, headers, path, raw, payload, rollout_id, entry, version)
+            status = call.response.status
+            if not stream or not 200 <= status < 300 or "text/event-stream" not in call.content_type:
                 try:
-                    body = await response.aread()
+                    body = await call.response.read()
                 except Exception as exc:
-                    raise _upstream_exc(exc, response.extensions.get("lightning_upstream")) from None
+                    call.record([], error=exc)
+                    raise _upstream_exc(exc, call.where) from None
                 finally:
-                    await response.aclose()
+                    call.response.release()
+                call.record([body])
                 if status >= 500:
                     self.counters["upstream_errors"] += 1
-                    raise _HTTPError(502, f"upstream {response.extensions.get('lightning_upstream', '?')} answered "
-                                     f"HTTP {status}: {body[:500].decode('utf-8', 'replace')}",
+                    raise _HTTPError(502, f"upstream {call.where} answered HTTP {status}: "
+                                     f"{body[:500].decode('utf-8', 'replace')}",
                                      type="upstream_error", code="upstream_error")
                 if 200 <= status < 300:
-                    ok_result = _Cached(status, headers, body)
-                return Response(body, status_code=status, headers=_header_dict(headers))
+                    ok_result = _Cached(status, call.headers, body)
+                return _Full(status, call.headers, body)
             # A stream: take its first chunk before committing to 200, so a stalled upstream is a 504.
-            # Decoded: content-encoding is not passed on (capture asks for identity, so usually raw).
-            identity = response.headers.get("content-encoding", "identity").lower() in ("identity", "")
-            chunks = response.aiter_raw() if identity else response.aiter_bytes()
+            chunks = call.response.content.iter_any()
             try:
                 first = await chunks.__anext__()
             except StopAsyncIteration:
                 first = b""
             except Exception as exc:
-                await response.aclose()
-                raise _upstream_exc(exc, response.extensions.get("lightning_upstream")) from None
+                call.response.close()
+                call.record([], error=exc)
+                raise _upstream_exc(exc, call.where) from None
 
             def on_done(complete: bool, sent: list[bytes]) -> None:
+                call.record(sent)  # an incomplete stream is recorded as a partial call
                 if entry is not None:
                     _leave(entry)
                 self._release()
                 if flight is not None:
-                    self._land(key, flight, _Cached(status, headers, b"".join(sent)) if complete else None)
+                    self._land(key, flight, _Cached(status, call.headers, b"".join(sent)) if complete else None)
 
             admitted = False  # the stream releases its slot when it ends
-            return _StreamResponse(status, headers, first, chunks, response, on_done, keep=flight is not None)
+            return _StreamResponse(status, call.headers, first, chunks, call.response, on_done)
         except BaseException:
             if flight is not None:
                 self._land(key, flight, None)
@@ -749,58 +751,69 @@ class Gateway:
         if result is None and key is not None and self._flights.get(key) is flight:
             del self._flights[key]  # a failed call is not replayed: the retry goes upstream
 
-    async def _send(self, request: Any, path: str, raw: bytes, rollout_id: str | None,
-                    entry: _RolloutEntry | None, version: int | None) -> Any:
-        import httpx
-
-        if self._client is None:
+    async def _forward(self, pairs: list[tuple[str, str]], headers: dict[str, str], path: str, raw: bytes,
+                       payload: dict[str, Any], rollout_id: str | None, entry: _RolloutEntry | None,
+                       version: int | None) -> "_Upstreamed":
+        """Record and send the call to a replica (sticky per rollout; the next one if it can't be reached)."""
+        if self._session is None:
             await self.startup()
-        headers = [(k, v) for k, v in request.headers.items() if k not in _DROP_REQUEST_HEADERS]
+        out = [(k, v) for k, v in pairs if k not in _DROP_REQUEST_HEADERS]
+        out.append(("accept-encoding", "identity"))  # plain bytes for capture, no compression on loopback
         auth = self.upstream_api_key and f"Bearer {self.upstream_api_key}"
         if not auth and not self.token:
-            auth = request.headers.get("authorization")  # a transparent proxy: the upstream's own key
+            auth = headers.get("authorization")  # a transparent proxy: the upstream's own key
         if auth:
-            headers.append(("authorization", auth))
+            out.append(("authorization", auth))
+        endpoint = "chat.completions" if path == "chat/completions" else "completions"
+        state = entry.state if entry is not None else None
         tried: set[int] = set()
-        transport = self._transports[next(self._shard) % len(self._transports)]
-        token = _current.set(entry.state if entry is not None else None)
-        try:
-            while True:
-                up = self._pick(rollout_id, tried)
-                if up is None:
-                    self.counters["upstream_errors"] += 1
-                    raise _HTTPError(502, "no upstream reachable: " + "; ".join(
-                        f"{u.url}: {u.last_error}" for u in self.upstreams if u.index in tried),
-                        type="upstream_error", code="upstream_unreachable")
-                tried.add(up.index)
-                extensions: dict[str, Any] = {"timeout": self._timeout}
-                if version is not None:
-                    extensions[_PV_EXT] = version
-                req = httpx.Request("POST", up.url + "/v1/" + path, content=raw, headers=headers,
-                                    extensions=extensions)
-                up.active += 1
-                try:
-                    response = await transport.handle_async_request(req)
-                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                    # Nothing reached this replica: mark it down and try another (the attempt is recorded).
-                    up.healthy, up.last_error, up.last_check = False, f"{type(exc).__name__}: {exc}", time.time()
+        while True:
+            up = self._pick(rollout_id, tried)
+            if up is None:
+                self.counters["upstream_errors"] += 1
+                raise _HTTPError(502, "no upstream reachable: " + "; ".join(
+                    f"{u.url}: {u.last_error}" for u in self.upstreams if u.index in tried),
+                    type="upstream_error", code="upstream_unreachable")
+            tried.add(up.index)
+            try:  # every attempt is recorded; recording never fails the call
+                pending, new_body = begin_call(self._capture, endpoint, payload, raw, state, up.host,  # type: ignore[arg-type]
+                                               agent_name=headers.get(AGENT_HEADER), attempt=attempt_of(headers))
+            except Exception:
+                log.exception("capture failed before sending; forwarding unrecorded")
+                pending, new_body = None, None
+            url = up.url + "/v1/" + path
+            up.active += 1
+            try:
+                response = await self._session.post(url, data=raw if new_body is None else new_body, headers=out,
+                                                    allow_redirects=False, timeout=self._call_timeout)
+                if pending is not None and pending.rejected(response.status, up.host):
+                    response.release()  # resend as the caller wrote it
+                    response = await self._session.post(url, data=raw, headers=out, allow_redirects=False,
+                                                        timeout=self._call_timeout)
+            except BaseException as exc:  # CancelledError too: the attempt is recorded as failed
+                if pending is not None:
+                    pending.finish(error=f"{_failure_name(exc)}: {exc}")
+                if isinstance(exc, Exception) and _unreachable(exc):
+                    # Nothing reached this replica: mark it down and try another.
+                    up.healthy, up.last_error, up.last_check = False, f"{_failure_name(exc)}: {exc}", time.time()
                     log.warning("upstream %s unreachable (%s); trying another", up.url, exc)
                     continue
-                except Exception as exc:
+                if isinstance(exc, Exception):
                     raise _upstream_exc(exc, up.url) from None
-                finally:
-                    up.active -= 1
-                response.extensions = {**response.extensions, "lightning_upstream": up.url}
-                response.headers[UPSTREAM_HEADER] = str(up.index)
-                return response
-        finally:
-            _current.reset(token)
+                raise
+            finally:
+                up.active -= 1
+            reply_headers = [(k.lower(), v) for k, v in response.raw_headers
+                             if k.lower() not in _DROP_RESPONSE_HEADERS]
+            if version is not None:
+                reply_headers.append((POLICY_HEADER.encode(), str(version).encode()))
+            reply_headers.append((UPSTREAM_HEADER.encode(), str(up.index).encode()))
+            return _Upstreamed(response, reply_headers, pending, up.url, version)
 
-    async def forward_get(self, request: Any, path: str) -> Any:
-        from starlette.responses import Response
-
-        if self._client is None:
+    async def forward_get(self, path: str) -> Any:
+        if self._session is None:
             await self.startup()
+        headers = {"authorization": f"Bearer {self.upstream_api_key}"} if self.upstream_api_key else None
         tried: set[int] = set()
         while True:
             up = self._pick(None, tried)
@@ -808,13 +821,36 @@ class Gateway:
                 raise _HTTPError(502, "no upstream reachable", type="upstream_error", code="upstream_unreachable")
             tried.add(up.index)
             try:
-                r = await self._client.get(up.url + "/v1/" + path, headers={
-                    "authorization": f"Bearer {self.upstream_api_key}"} if self.upstream_api_key else None)
+                async with self._session.get(up.url + "/v1/" + path, headers=headers,
+                                             timeout=self._call_timeout) as r:
+                    body = await r.read()
+                    status = r.status
+                    reply_headers = [(k.lower(), v) for k, v in r.raw_headers if k.lower() not in _DROP_RESPONSE_HEADERS]
             except Exception as exc:  # noqa: BLE001
-                up.healthy, up.last_error = False, f"{type(exc).__name__}: {exc}"
+                up.healthy, up.last_error = False, f"{_failure_name(exc)}: {exc}"
                 continue
-            return Response(r.content, status_code=r.status_code if r.status_code < 500 else 502,
-                            headers=_header_dict(_response_headers(r)))
+            return _Full(status if status < 500 else 502, reply_headers, body)
+
+
+class _Upstreamed:
+    """An upstream's answer to one recorded attempt, before its body is read."""
+
+    __slots__ = ("response", "headers", "pending", "where", "version", "content_type")
+
+    def __init__(self, response: Any, headers: list[tuple[bytes, bytes]], pending: Any, where: str,
+                 version: int | None) -> None:
+        self.response, self.headers, self.pending, self.where, self.version = response, headers, pending, where, version
+        self.content_type = response.headers.get("content-type", "")
+
+    def record(self, chunks: list[bytes], error: BaseException | None = None) -> None:
+        """Hand the attempt to capture (parsed into a record on the store's writer thread)."""
+        if self.pending is None:
+            return
+        meta = {"content-type": self.content_type}
+        if self.version is not None:
+            meta[POLICY_HEADER] = str(self.version)
+        self.pending.finish(status_code=None if error is not None else self.response.status, chunks=chunks,
+                            headers=meta, error=None if error is None else f"{_failure_name(error)}: {error}")
 
 
 def _leave(entry: _RolloutEntry) -> None:
@@ -837,31 +873,32 @@ def _reward_from(rollout_id: str, body: dict[str, Any]) -> Reward:
 
 
 def _upstream_exc(exc: BaseException, where: str | None) -> _HTTPError:
-    import httpx
-
-    if isinstance(exc, httpx.TimeoutException):
-        return _HTTPError(504, f"upstream {where or '?'} timed out ({type(exc).__name__})", type="upstream_timeout",
+    name = _failure_name(exc)
+    if name.endswith("Timeout"):
+        return _HTTPError(504, f"upstream {where or '?'} timed out ({name})", type="upstream_timeout",
                           code="upstream_timeout")
-    return _HTTPError(502, f"upstream {where or '?'} failed: {type(exc).__name__}: {exc}", type="upstream_error",
+    return _HTTPError(502, f"upstream {where or '?'} failed: {name}: {exc}", type="upstream_error",
                       code="upstream_error")
 
 
-def _response_headers(response: Any) -> list[tuple[str, str]]:
-    return [(k, v) for k, v in response.headers.items() if k not in _DROP_RESPONSE_HEADERS]
+def _error_reply(exc: BaseException, method: str, path: str) -> "_Full":
+    """The JSON error a failed request gets: its own status for `_HTTPError`, 503 when the trace store
+    is down (retry later), 500 (logged) for anything else."""
+    from sqlalchemy import exc as sa_exc
 
-
-def _header_dict(pairs: list[tuple[str, str]]) -> dict[str, str]:
-    return dict(pairs)
+    if isinstance(exc, _HTTPError):
+        return exc.reply()
+    if isinstance(exc, (StoreError, sa_exc.SQLAlchemyError)):
+        log.warning("trace store error on %s %s: %s", method, path, exc)
+        return _HTTPError(503, "the trace store is unavailable; retry later", type="store_unavailable",
+                          code="store_unavailable", headers={"Retry-After": "5"}).reply()
+    log.error("gateway error on %s %s", method, path, exc_info=exc)
+    return _HTTPError(500, f"gateway error: {type(exc).__name__}", type="server_error").reply()
 
 
 async def _read_body(request: Any, limit: int) -> bytes:
     declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            if int(declared) > limit:
-                raise _HTTPError(413, f"request body is {declared} bytes; the limit is {limit}", code="body_too_large")
-        except ValueError:
-            raise _HTTPError(400, "bad Content-Length", code="bad_content_length") from None
+    _check_declared(declared, limit)
     parts: list[bytes] = []
     size = 0
     async for chunk in request.stream():
@@ -872,17 +909,60 @@ async def _read_body(request: Any, limit: int) -> bytes:
     return b"".join(parts)
 
 
+async def _receive_body(receive: Any, headers: dict[str, str], limit: int) -> bytes:
+    """The request body from raw ASGI messages, within `limit` bytes."""
+    _check_declared(headers.get("content-length"), limit)
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _HTTPError(400, "the client went away while sending its request", code="client_disconnected")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _HTTPError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _check_declared(declared: str | None, limit: int) -> None:
+    if declared is None:
+        return
+    try:
+        size = int(declared)
+    except ValueError:
+        raise _HTTPError(400, "bad Content-Length", code="bad_content_length") from None
+    if size > limit:
+        raise _HTTPError(413, f"request body is {declared} bytes; the limit is {limit}", code="body_too_large")
+
+
+class _Full:
+    """A whole response, as an ASGI app."""
+
+    __slots__ = ("status", "headers", "body")
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.status, self.headers, self.body = status, headers, body
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status,
+                    "headers": [*self.headers, (b"content-length", str(len(self.body)).encode())]})
+        await send({"type": "http.response.body", "body": self.body})
+
+
 class _StreamResponse:
     """An ASGI response that relays an upstream SSE stream chunk by chunk.
 
-    Stops reading upstream when the client goes away (the recorder then marks the
-    call partial), and reports (complete, bytes sent) exactly once when done.
+    Stops reading upstream (and closes that connection, so the engine stops generating)
+    when the client goes away, and reports (complete, chunks relayed) exactly once when done.
     """
 
-    def __init__(self, status: int, headers: list[tuple[str, str]], first: bytes, chunks: Any, upstream: Any,
-                 on_done: Any, keep: bool) -> None:
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes, chunks: Any, upstream: Any,
+                 on_done: Any) -> None:
         self.status, self.headers, self.first, self.chunks = status, headers, first, chunks
-        self.upstream, self.on_done, self.keep = upstream, on_done, keep
+        self.upstream, self.on_done = upstream, on_done
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         gone = asyncio.Event()
@@ -898,17 +978,14 @@ class _StreamResponse:
         sent: list[bytes] = []
         complete = False
         try:
-            await send({"type": "http.response.start", "status": self.status,
-                        "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers]})
+            await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
             if self.first:
+                sent.append(self.first)
                 await send({"type": "http.response.body", "body": self.first, "more_body": True})
-                if self.keep:
-                    sent.append(self.first)
             async for chunk in self.chunks:
                 if gone.is_set():
                     break
-                if self.keep:
-                    sent.append(chunk)
+                sent.append(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             else:
                 complete = not gone.is_set()
@@ -917,8 +994,10 @@ class _StreamResponse:
             log.warning("stream from upstream ended with %s: %s", type(exc).__name__, exc)
         finally:
             watcher.cancel()
-            with contextlib.suppress(BaseException):
-                await self.upstream.aclose()
+            if complete:
+                self.upstream.release()
+            else:
+                self.upstream.close()
             self.on_done(complete, sent)
 
 
@@ -937,41 +1016,57 @@ def _bind(host: str, port: int) -> socket.socket:
 # The ASGI app
 # --------------------------------------------------------------------------
 
+_PROXY_SUFFIXES = (("/v1/chat/completions", "chat/completions"), ("/v1/completions", "completions"))
+
+
+def _proxy_route(path: str) -> tuple[str, str | None] | None:
+    """(upstream path, rollout id or None) for `/v1/...` and `/rollouts/{id}/v1/...` proxy routes."""
+    for suffix, upstream_path in _PROXY_SUFFIXES:
+        if path.endswith(suffix):
+            prefix = path[: -len(suffix)]
+            if not prefix:
+                return upstream_path, None
+            rid = prefix[len("/rollouts/"):]
+            if prefix.startswith("/rollouts/") and rid and "/" not in rid:
+                return upstream_path, rid
+    return None
+
+
+class _App:
+    """The gateway's ASGI app. The two proxy routes, which every LLM call takes, are served
+    straight from here; the rest (rollouts, admin, health, models) by a Starlette router."""
+
+    def __init__(self, gateway: Gateway, routes: Any) -> None:
+        self.gateway, self._routes = gateway, routes
+        self.state = routes.state
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            route = _proxy_route(scope["path"])
+            if route is not None:
+                if scope["method"] == "POST":
+                    await self.gateway.serve_proxy(scope, receive, send, *route)
+                else:
+                    await _HTTPError(405, f"method {scope['method']} not allowed on {scope['path']}",
+                                     code="method_not_allowed").reply()(scope, receive, send)
+                return
+        await self._routes(scope, receive, send)
+
+
 def _build_starlette(gw: Gateway) -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
-    from sqlalchemy import exc as sa_exc
-
-    def check_auth(request: Request) -> None:
-        if not gw.token:
-            return
-        got = request.headers.get("authorization", "")
-        scheme, _, value = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), gw.token.encode()):
-            raise _HTTPError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
-                             type="authentication_error", code="unauthorized",
-                             headers={"WWW-Authenticate": "Bearer"})
 
     def endpoint(fn: Any, *, auth: bool = True) -> Any:
         async def handler(request: Request) -> Any:
             try:
                 if auth:
-                    check_auth(request)
+                    gw.check_auth(request.headers.get("authorization", ""))
                 return await fn(request)
-            except _HTTPError as err:
-                return Response(err.body(), status_code=err.status, media_type="application/json",
-                                headers=err.headers)
-            except (StoreError, sa_exc.SQLAlchemyError) as exc:
-                log.warning("trace store error on %s %s: %s", request.method, request.url.path, exc)
-                err = _HTTPError(503, "the trace store is unavailable; retry later", type="store_unavailable",
-                                 code="store_unavailable", headers={"Retry-After": "5"})
-                return Response(err.body(), status_code=503, media_type="application/json", headers=err.headers)
-            except Exception as exc:  # noqa: BLE001
-                log.exception("gateway error on %s %s", request.method, request.url.path)
-                err = _HTTPError(500, f"gateway error: {type(exc).__name__}", type="server_error")
-                return Response(err.body(), status_code=500, media_type="application/json")
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
+                return _error_reply(exc, request.method, request.url.path)
         return handler
 
     async def json_body(request: Request, *, optional: bool = False) -> dict[str, Any]:
@@ -991,17 +1086,11 @@ def _build_starlette(gw: Gateway) -> Any:
         d["base_url"] = str(request.base_url).rstrip("/") + f"/rollouts/{r.id}/v1"
         return d
 
-    async def chat(request: Request) -> Any:
-        return await gw.proxy(request, "chat/completions", request.path_params.get("rid"))
-
-    async def completions(request: Request) -> Any:
-        return await gw.proxy(request, "completions", request.path_params.get("rid"))
-
     async def models(request: Request) -> Any:
         rid = request.path_params.get("rid")
         if rid:
             await gw._entry(rid, for_call=False)
-        return await gw.forward_get(request, "models")
+        return await gw.forward_get("models")
 
     async def create(request: Request) -> Any:
         stored, created = await gw.create_rollout(await json_body(request))
@@ -1069,16 +1158,12 @@ def _build_starlette(gw: Gateway) -> Any:
 
     routes = [
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
-        Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
-        Route("/v1/completions", endpoint(completions), methods=["POST"]),
         Route("/v1/models", endpoint(models), methods=["GET"]),
         Route("/rollouts", endpoint(create), methods=["POST"]),
         Route("/rollouts/{rid}", endpoint(get_rollout), methods=["GET"]),
         Route("/rollouts/{rid}/reward", endpoint(reward), methods=["POST"]),
         Route("/rollouts/{rid}/finish", endpoint(finish), methods=["POST"]),
         Route("/rollouts/{rid}/fail", endpoint(fail), methods=["POST"]),
-        Route("/rollouts/{rid}/v1/chat/completions", endpoint(chat), methods=["POST"]),
-        Route("/rollouts/{rid}/v1/completions", endpoint(completions), methods=["POST"]),
         Route("/rollouts/{rid}/v1/models", endpoint(models), methods=["GET"]),
         Route("/admin/pause", endpoint(pause), methods=["POST"]),
         Route("/admin/resume", endpoint(resume), methods=["POST"]),
@@ -1090,7 +1175,8 @@ def _build_starlette(gw: Gateway) -> Any:
 
 
 def build_app(upstreams: list[str] | str, store: TraceStore | str | None = None, **options: Any) -> Any:
-    """The gateway as an ASGI app (serve it with any ASGI server); `app.state.gateway` is the `Gateway`."""
+    """The gateway as an ASGI app (serve it with any ASGI server); `app.gateway` (also `app.state.gateway`)
+    is the `Gateway`."""
     return Gateway(upstreams, store, **options).app
 
 
@@ -1116,8 +1202,6 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--retry-window", type=float, default=30.0,
                    help="an identical body resent within a rollout this soon after success is answered from it")
     p.add_argument("--policy-version", type=int, default=None, help="policy version served at start")
-    p.add_argument("--upstream-client", choices=UPSTREAM_CLIENTS, default="aiohttp",
-                   help="HTTP client to the upstreams (default aiohttp: its C parser costs less CPU per call)")
     p.add_argument("--no-record-unattached", action="store_true", help="don't record calls outside rollouts")
     p.set_defaults(func=run_cli)
 
@@ -1126,7 +1210,7 @@ def run_cli(args: argparse.Namespace) -> int:
     import uvicorn
 
     token = args.token or os.environ.get(TOKEN_ENV) or None
-    if not args.verbose:  # httpx logs every upstream request at INFO: noise, and a cost per call
+    if not args.verbose:  # HTTP clients' per-request INFO logs: noise, and a cost per call
         for name in ("httpx", "httpcore", "aiohttp"):
             logging.getLogger(name).setLevel(logging.WARNING)
     try:
@@ -1135,8 +1219,7 @@ def run_cli(args: argparse.Namespace) -> int:
                      max_body_bytes=int(args.max_body_mb * 1024 * 1024), pause_mode=args.pause_mode,
                      pause_wait_s=args.pause_wait, upstream_timeout_s=args.upstream_timeout,
                      health_interval_s=args.health_interval, retry_window_s=args.retry_window,
-                     policy_version=args.policy_version, record_unattached=not args.no_record_unattached,
-                     upstream_client=args.upstream_client)
+                     policy_version=args.policy_version, record_unattached=not args.no_record_unattached)
     except (GatewayConfigError, ValueError) as exc:
         log.error("%s", exc)
         return 2

@@ -24,7 +24,7 @@ import pytest
 import sqlalchemy as sa
 
 from lightning_middleware import TraceStore
-from lightning_middleware.gateway import UPSTREAM_CLIENTS, Gateway, GatewayConfigError, scrub_secrets
+from lightning_middleware.gateway import Gateway, GatewayConfigError, scrub_secrets
 from lightning_middleware.testing import LLMTestServer, free_port, process_cpu_seconds, render_chat, tokenize
 
 MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 2+2?"}]
@@ -63,11 +63,9 @@ def gw(llm_server: LLMTestServer, store: TraceStore) -> Iterator[Gateway]:
         yield g
 
 
-@pytest.fixture(params=UPSTREAM_CLIENTS)
-def gw_lite(request, llm_server: LLMTestServer, sqlite_store: TraceStore) -> Iterator[Gateway]:
-    # Both upstream clients (aiohttp, the default, and httpx's httpcore) behave the same to callers and capture.
-    with Gateway([llm_server.base_url], sqlite_store, health_interval_s=0.5, max_body_bytes=64 * 1024,
-                 upstream_client=request.param) as g:
+@pytest.fixture
+def gw_lite(llm_server: LLMTestServer, sqlite_store: TraceStore) -> Iterator[Gateway]:
+    with Gateway([llm_server.base_url], sqlite_store, health_interval_s=0.5, max_body_bytes=64 * 1024) as g:
         yield g
 
 
@@ -350,11 +348,9 @@ class _Blackhole:
         self.sock.close()
 
 
-@pytest.mark.parametrize("client", UPSTREAM_CLIENTS)
-def test_upstream_down_is_502_and_stalled_is_504(client: str, sqlite_store: TraceStore,
-                                                 llm_server: LLMTestServer) -> None:
+def test_upstream_down_is_502_and_stalled_is_504(sqlite_store: TraceStore, llm_server: LLMTestServer) -> None:
     dead = f"http://127.0.0.1:{free_port()}/v1"
-    with Gateway([dead], sqlite_store, health_interval_s=0, upstream_client=client) as gw:
+    with Gateway([dead], sqlite_store, health_interval_s=0) as gw:
         rid = _create(gw)["id"]
         r = httpx.post(gw.rollout_base_url(rid) + "/chat/completions", json={"model": "m", "messages": MSGS})
         assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unreachable"
@@ -364,8 +360,7 @@ def test_upstream_down_is_502_and_stalled_is_504(client: str, sqlite_store: Trac
         assert call.status_code is None and not call.is_training and "Connect" in call.error
     hole = _Blackhole()
     try:
-        with Gateway([hole.url], sqlite_store, health_interval_s=0, upstream_timeout_s=0.5,
-                     upstream_client=client) as gw:
+        with Gateway([hole.url], sqlite_store, health_interval_s=0, upstream_timeout_s=0.5) as gw:
             rid = _create(gw)["id"]
             r = httpx.post(gw.rollout_base_url(rid) + "/chat/completions", json={"model": "m", "messages": MSGS})
             assert r.status_code == 504 and r.json()["error"]["type"] == "upstream_timeout"
@@ -374,8 +369,7 @@ def test_upstream_down_is_502_and_stalled_is_504(client: str, sqlite_store: Trac
             assert not call.is_training and "Timeout" in call.error
     finally:
         hole.close()
-    with Gateway([llm_server.base_url], sqlite_store, health_interval_s=0, upstream_timeout_s=0.3,
-                 upstream_client=client) as gw:
+    with Gateway([llm_server.base_url], sqlite_store, health_interval_s=0, upstream_timeout_s=0.3) as gw:
         rid = _create(gw)["id"]
         r = httpx.post(gw.rollout_base_url(rid) + "/chat/completions",
                        json={"model": "m", "messages": MSGS, "stream": True}, headers={"x-test-delay": "1"})
@@ -579,6 +573,21 @@ def test_upstream_client_errors_pass_through(gw_lite: Gateway, sqlite_store: Tra
     _finish(gw_lite, rid)
     calls = sqlite_store.calls(rid)
     assert calls and all(c.status_code == 400 and not c.is_training for c in calls)
+
+
+def test_upstream_rejecting_the_injected_fields_never_fails_the_call(gw_lite: Gateway,
+                                                                      sqlite_store: TraceStore) -> None:
+    # A server that 400s on return_token_ids/logprobs (not vLLM): the caller's own request is resent as
+    # written and answered; the gateway stops injecting for that host; the calls are kept, untrainable.
+    rid = _create(gw_lite)["id"]
+    for i in range(2):
+        r = httpx.post(gw_lite.rollout_base_url(rid) + "/chat/completions", headers={"x-test-strict": "1"},
+                       json={"model": "m", "messages": [{"role": "user", "content": f"strict {i}"}]})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == f"echo: strict {i}"
+    _finish(gw_lite, rid)
+    calls = sqlite_store.calls(rid)
+    assert [(c.status_code, c.is_training) for c in calls] == [(200, False), (200, False)]
+    assert all("return_token_ids" not in c.request for c in calls)
 
 
 def test_replay_cache_is_bounded(llm_server: LLMTestServer, sqlite_store: TraceStore) -> None:
