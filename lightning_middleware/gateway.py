@@ -124,6 +124,16 @@ class Upstream:
         from urllib.parse import urlsplit
 
         self.host = urlsplit(self.url).hostname or ""
+        self._endpoints: dict[str, Any] = {}
+
+    def endpoint(self, path: str) -> Any:
+        """`{url}/v1/{path}` as a parsed URL, parsed once (aiohttp would parse the string every call)."""
+        url = self._endpoints.get(path)
+        if url is None:
+            from yarl import URL
+
+            url = self._endpoints[path] = URL(f"{self.url}/v1/{path}")
+        return url
 
     def as_dict(self) -> dict[str, Any]:
         return {"index": self.index, "url": self.url, "healthy": self.healthy, "last_check": self.last_check,
@@ -460,6 +470,8 @@ class Gateway:
         if not left:
             return None
         healthy = [u for u in left if u.healthy] or left
+        if len(healthy) == 1:
+            return healthy[0]
         if rollout_id:
             return _rendezvous(rollout_id, healthy)
         return healthy[next(self._rr) % len(healthy)]
@@ -781,7 +793,7 @@ class Gateway:
             except Exception:
                 log.exception("capture failed before sending; forwarding unrecorded")
                 pending, new_body = None, None
-            url = up.url + "/v1/" + path
+            url = up.endpoint(path)
             up.active += 1
             try:
                 response = await self._session.post(url, data=raw if new_body is None else new_body, headers=out,
