@@ -58,6 +58,7 @@ class DemoConfig:
     lr_end: float | None = 1e-4  # linear decay from lr to lr_end over the RL budget; None: constant
     lr_warmup_steps: int = 10  # linear warm-up to lr: Adam's first steps at full lr collapsed a run
     clip: float = 0.2
+    dual_clip: float | None = None  # c > 1: bound -A*ratio at -A*c for A < 0 (stale rollouts' large ratios)
     sft_steps: int | None = None  # None: WarmStartConfig's default
     model_dir: str | None = None  # start from this HF folder instead of the cached warm start
     greedy: bool = True  # also evaluate greedily
@@ -192,7 +193,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         # runs, so torch's default (all cores). As measured in docs/benchmarks.md.
         torch.set_num_threads(cfg.threads or (1 if cfg.mode == "async" else (os.cpu_count() or 1)))
         engine = TorchEngine(model_dir, TorchEngineConfig(lr=_lr_at(cfg, 1, 0.0), freeze_embeddings=True,
-                                                          loss=LossConfig(clip_low=cfg.clip, clip_high=cfg.clip)))
+                                                          loss=LossConfig(clip_low=cfg.clip, clip_high=cfg.clip,
+                                                                          dual_clip_c=cfg.dual_clip)))
         daemon = TrainerDaemon(
             store, engine,
             TrainerConfig(checkpoint_dir=str(out / "checkpoints"), mode=cfg.mode, max_staleness=cfg.max_staleness,
@@ -247,6 +249,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                           "rollouts": m.get("n_rollouts", 0), "kl": m.get("approx_kl"), "lr": lr_used,
                           "clip_frac": m.get("clip_frac"), "step_time_s": m.get("step_time_s"),
                           "staleness_max": m.get("staleness_max"), "entropy": m.get("entropy"),
+                          "grad_norm": m.get("grad_norm"), "ratio_max": m.get("ratio_max"),
+                          "clip_frac_lower": m.get("clip_frac_lower"),
                           **{k: v for k, v in m.items() if k.startswith(("skipped_", "rows_"))}})
             if bar is not None:
                 recent = [c["success"] for c in curve[-5:] if c["success"] == c["success"]]
@@ -444,6 +448,8 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--groups-in-flight", type=int, default=d.groups_in_flight)
     p.add_argument("--max-staleness", type=int, default=d.max_staleness)
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--dual-clip", type=float, default=d.dual_clip,
+                   help="PPO dual clip c (> 1) for negative advantages; 0 turns it off")
     p.add_argument("--lr-warmup-steps", type=int, default=d.lr_warmup_steps)
     p.add_argument("--lr-end", type=float, default=d.lr_end,
                    help="learning rate reached at the end of the budget (linear decay); 0 or less: constant")
@@ -466,6 +472,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                      mode=mode, eval_tasks=args.eval_tasks, groups_per_step=args.groups_per_step,
                      group_size=args.group_size, groups_in_flight=args.groups_in_flight,
                      max_staleness=args.max_staleness, lr=args.lr,
+                     dual_clip=args.dual_clip if args.dual_clip and args.dual_clip > 0 else None,
                      lr_end=args.lr_end if args.lr_end and args.lr_end > 0 else None,
                      lr_warmup_steps=max(0, args.lr_warmup_steps),
                      sft_steps=args.sft_steps, threads=args.threads, model_dir=args.model,

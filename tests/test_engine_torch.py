@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,7 @@ def test_metrics_and_recomputed_old_logprobs(model_dir):
     rows = make_rows(PROMPTS, advantages={"good": 0.5, "bad": -0.5})  # no behaviour log-probs: recomputed
     m = eng.step(rows)
     assert m["approx_kl"] == pytest.approx(0.0, abs=1e-6) and m["clip_frac"] == 0.0
+    assert m["ratio_max"] == pytest.approx(1.0, abs=1e-5)
     assert m["micro_batches"] == 3 and m["rows"] == 3 and m["rollouts"] == 2
     assert m["response_tokens"] == 12 and m["tokens"] == sum(len(r) for r in rows)
     assert m["grad_norm"] > 0 and m["entropy"] > 0 and m["time_s"] > 0 and m["policy_version"] == 1
@@ -113,8 +115,9 @@ def test_micro_batching_does_not_change_the_step(model_dir):
         results.append((m, {k: v.detach().clone() for k, v in eng.model.state_dict().items()}))
     (m1, s1), (m2, s2) = results
     assert m1["micro_batches"] == 3 and m2["micro_batches"] == 1
-    for key in ("loss", "grad_norm", "clip_frac", "approx_kl", "entropy"):
+    for key in ("loss", "grad_norm", "clip_frac", "approx_kl", "entropy", "ratio_max"):
         assert m1[key] == pytest.approx(m2[key], rel=1e-5, abs=1e-6), key
+    assert m1["ratio_max"] == pytest.approx(math.exp(0.3), rel=1e-4)  # a max over micro-batches, not a sum
     for k in s1:
         assert torch.allclose(s1[k], s2[k], atol=1e-5), k
 

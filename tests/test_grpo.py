@@ -210,6 +210,7 @@ def test_policy_loss_matches_verl(verl, mode, clip_low, clip_high, dual, seed):
     assert (sums["clipped_tokens"] / n).item() == pytest.approx(ref_clipfrac.item(), abs=TOL)
     assert (sums["neg_log_ratio_sum"] / n).item() == pytest.approx(ref_kl.item(), abs=TOL)
     assert (sums["clipped_lower_tokens"] / n).item() == pytest.approx(ref_clip_lower.item(), abs=TOL)
+    assert sums["log_ratio_max"].item() == pytest.approx((logp - old)[mask.bool()].max().item(), abs=TOL)
 
 
 @pytest.mark.parametrize("kind", ["k1", "k3"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import shutil
 import time
 from contextlib import nullcontext
@@ -261,7 +262,7 @@ class TorchEngine:
                                         cfg, ref_logp=ref_logp, entropy=entropy)
             loss.backward()
             for k, v in mb_sums.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+                sums[k] = max(sums.get(k, -math.inf), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)
 
         if self.master is not self.params:  # bf16: the fp32 masters take the gradients and the update
             for m, p in zip(self.master, self.params):
@@ -288,6 +289,7 @@ class TorchEngine:
             "clip_frac": sums["clipped_tokens"] / n_resp,
             "clip_frac_lower": sums["clipped_lower_tokens"] / n_resp,
             "approx_kl": sums["neg_log_ratio_sum"] / n_resp,  # mean(old - new) over response tokens, verl's ppo_kl
+            "ratio_max": math.exp(min(sums.get("log_ratio_max", -math.inf), 700.0)),
             "entropy": sums.get("entropy", float("nan")),  # aggregated like the loss
             "grad_norm": grad_norm,
             "rows": float(len(rows)),

@@ -308,6 +308,10 @@ def policy_loss(
         "clipped_lower_tokens": (terms.clipped_lower.float() * mask).sum(),
         "neg_log_ratio_sum": (terms.neg_log_ratio.detach() * mask).sum(),
         "response_tokens": mask.sum(),
+        # The largest new/old probability ratio on a response token (as its log): stale rollouts with a
+        # negative advantage and a large ratio are what the dual clip bounds. Aggregated by max.
+        "log_ratio_max": (-terms.neg_log_ratio.detach()).masked_fill(mask == 0, float("-inf")).max()
+        if mask.any() else torch.tensor(float("-inf")),
     }
     if ref_logp is not None:
         kl = kl_estimate(logp, ref_logp, cfg.kl_kind)
