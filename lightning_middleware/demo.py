@@ -58,7 +58,7 @@ class DemoConfig:
     lr_end: float | None = 1e-4  # linear decay from lr to lr_end over the RL budget; None: constant
     lr_warmup_steps: int = 10  # linear warm-up to lr: Adam's first steps at full lr collapsed a run
     clip: float = 0.2
-    dual_clip: float | None = None  # c > 1: bound -A*ratio at -A*c for A < 0 (stale rollouts' large ratios)
+    dual_clip: float | None = 3.0  # c > 1: bound -A*ratio at -A*c for A < 0 (stale rollouts' large ratios)
     sft_steps: int | None = None  # None: WarmStartConfig's default
     model_dir: str | None = None  # start from this HF folder instead of the cached warm start
     greedy: bool = True  # also evaluate greedily

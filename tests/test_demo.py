@@ -82,6 +82,7 @@ def test_cli_registers_demo() -> None:
     args = build_parser().parse_args(["demo", "--sync", "--minutes", "1", "--seed", "3"])
     assert args.sync and args.minutes == 1 and args.seed == 3 and args.func.__name__ == "_cmd_demo"
     assert args.lr == 3e-4 and args.lr_end == 1e-4 and args.lr_warmup_steps == 10  # the recipe
+    assert args.dual_clip == 3.0
     assert build_parser().parse_args(["demo", "--lr-end", "0"]).lr_end == 0  # 0: constant lr
 
 

@@ -255,3 +255,8 @@ def test_trainer_cli_flags_reach_the_torch_engine(model_dir):
     assert eng.config.precision == "bf16-autocast" and eng.config.compile
     with pytest.raises(SystemExit):
         engine_for("--precision", "fp16")
+    assert engine_for().config.loss.dual_clip_c == 3.0  # verl's default clip_ratio_c
+    assert engine_for("--dual-clip", "0").config.loss.dual_clip_c is None
+    assert engine_for("--dual-clip", "5").config.loss.dual_clip_c == 5.0
+    with pytest.raises(SystemExit):
+        engine_for("--dual-clip", "0.5")

@@ -390,3 +390,24 @@ def test_micro_batch_losses_match_verl_with_global_batch_info(verl, mode, dual):
         assert ours.item() == pytest.approx(ref.item(), abs=TOL)
         n = sums["response_tokens"]
         assert (sums["clipped_tokens"] / n).item() == pytest.approx(metrics["actor/pg_clipfrac"], abs=TOL)
+
+
+def test_dual_clip_stops_a_stale_token_with_negative_advantage_from_dominating():
+    # A token sampled at probability 0.01 that the current policy gives 0.2 (ratio 20), in a failed
+    # rollout (A < 0): the plain PPO loss is unclipped there and pushes with weight 20|A|; the dual
+    # clip (the default, c = 3) caps its loss at 3|A| and zeroes its gradient. A < 0 tokens with
+    # ratio below c keep their gradient, so ordinary tokens are untouched.
+    old = torch.log(torch.tensor([[0.01, 0.5]]))
+    logp = torch.log(torch.tensor([[0.2, 0.5]])).requires_grad_(True)
+    adv = torch.full((1, 2), -1.0)
+    weights = torch.ones(1, 2)
+    grads = {}
+    for c in (None, 3.0):
+        logp.grad = None
+        loss, _ = policy_loss(logp, old, adv, weights, LossConfig(agg="token-mean", dual_clip_c=c))
+        loss.backward()
+        grads[c] = logp.grad.clone()
+    assert grads[None][0, 0].item() == pytest.approx(20.0, rel=1e-4)  # d(-A r)/dlogp = |A| r
+    assert grads[3.0][0, 0].item() == 0.0
+    assert grads[None][0, 1].item() == grads[3.0][0, 1].item() == pytest.approx(1.0)
+    assert LossConfig().dual_clip_c == 3.0

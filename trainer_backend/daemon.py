@@ -344,6 +344,9 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--max-len", type=int, default=None)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--dual-clip", type=float, default=3.0, metavar="C",
+                   help="PPO dual clip for negative advantages: token loss at most -A*C (default 3, as verl; "
+                        "0 turns it off)")
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--freeze-embeddings", action="store_true")
     p.add_argument("--bf16", action="store_true",
@@ -406,8 +409,17 @@ def _make_engine(args: Any, start_dir: Path, version: int) -> Engine:
 
     cfg = TorchEngineConfig(lr=args.lr, micro_batch_tokens=args.micro_batch_tokens,
                             freeze_embeddings=args.freeze_embeddings,
-                            precision=args.precision or ("bf16" if args.bf16 else "fp32"), compile=args.compile)
+                            precision=args.precision or ("bf16" if args.bf16 else "fp32"), compile=args.compile,
+                            loss=_loss_config(args))
     return TorchEngine(start_dir, cfg, policy_version=version)
+
+
+def _loss_config(args: Any) -> Any:
+    from trainer_backend.grpo import LossConfig
+
+    if args.dual_clip and args.dual_clip <= 1.0:
+        raise SystemExit(f"--dual-clip must be > 1 (or 0 for off), got {args.dual_clip}")
+    return LossConfig(dual_clip_c=args.dual_clip or None)
 
 
 def _tensorboard(logdir: str | None) -> Any:

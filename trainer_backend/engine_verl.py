@@ -369,9 +369,11 @@ class VerlEngine:
     def from_args(cls, args: Any, start_dir: str | Path, version: int) -> "VerlEngine":
         """From the `trainer` CLI's arguments (daemon._make_engine)."""
         n_gpus = int(os.environ.get("VERL_N_GPUS", torch.cuda.device_count() or 1))
+        from trainer_backend.daemon import _loss_config
+
         cfg = VerlEngineConfig(lr=args.lr, n_gpus=n_gpus, max_token_len_per_gpu=max(args.micro_batch_tokens, 1024),
                                freeze_embeddings=args.freeze_embeddings,
-                               param_dtype="bf16" if args.bf16 else "fp32")
+                               param_dtype="bf16" if args.bf16 else "fp32", loss=_loss_config(args))
         return cls(start_dir, cfg, policy_version=version,
                    work_dir=Path(getattr(args, "checkpoints", "runs/checkpoints")) / "_verl")
 

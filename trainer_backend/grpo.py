@@ -275,7 +275,11 @@ class LossConfig:
     agg: str = "rollout-token-mean"
     clip_low: float = 0.2
     clip_high: float = 0.2
-    dual_clip_c: float | None = None
+    # Dual clip (verl's clip_ratio_c, which verl applies by default): for A < 0 the token loss is at
+    # most -A*c. Without it a stale token whose probability rose c-fold or more since it was
+    # sampled pushes with weight ratio*|A|: in the async demo one ratio-20 token made a step's
+    # gradient norm 100x the usual. None turns it off.
+    dual_clip_c: float | None = 3.0
     kl_coef: float = 0.0  # > 0 adds kl_coef * KL(policy || ref) to the loss (needs ref log-probs)
     kl_kind: str = "k3"
     entropy_coef: float = 0.0  # > 0 subtracts entropy_coef * entropy (an exploration bonus)
