@@ -143,12 +143,13 @@ def test_actor_config_composes(model_dir):
     """verl's hydra config with our overrides composes and converts to verl's ActorConfig (no GPU needed)."""
     from verl.utils.config import omega_conf_to_dataclass
 
-    full = build_actor_config(model_dir, VerlEngineConfig())
+    full = build_actor_config(model_dir, VerlEngineConfig(loss=LossConfig(dual_clip_c=None)))
     actor = omega_conf_to_dataclass(full.actor_rollout_ref.actor)
     assert actor.policy_loss.loss_mode == LOSS_MODE and actor.loss_agg_mode == "token-sum"
     assert actor.ppo_epochs == 1 and actor.use_kl_loss is False and actor.entropy_coeff == 0
-    dual = build_actor_config(model_dir, VerlEngineConfig(loss=LossConfig(dual_clip_c=3.0)))
+    dual = build_actor_config(model_dir, VerlEngineConfig())  # the dual clip is the default (c = 3)
     assert dual.actor_rollout_ref.actor.policy_loss.loss_mode == LOSS_MODE_DUAL
+    assert dual.actor_rollout_ref.actor.clip_ratio_c == 3.0
     with pytest.raises(ValueError):
         build_actor_config(model_dir, VerlEngineConfig(loss=LossConfig(kl_coef=0.1)))
 
