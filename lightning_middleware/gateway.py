@@ -815,8 +815,7 @@ class Gateway:
                 raise
             finally:
                 up.active -= 1
-            reply_headers = [(k.lower(), v) for k, v in response.raw_headers
-                             if k.lower() not in _DROP_RESPONSE_HEADERS]
+            reply_headers = _reply_headers(response.raw_headers)
             if version is not None:
                 reply_headers.append((POLICY_HEADER.encode(), str(version).encode()))
             reply_headers.append((UPSTREAM_HEADER.encode(), str(up.index).encode()))
@@ -837,7 +836,7 @@ class Gateway:
                                              timeout=self._call_timeout) as r:
                     body = await r.read()
                     status = r.status
-                    reply_headers = [(k.lower(), v) for k, v in r.raw_headers if k.lower() not in _DROP_RESPONSE_HEADERS]
+                    reply_headers = _reply_headers(r.raw_headers)
             except Exception as exc:  # noqa: BLE001
                 up.healthy, up.last_error = False, f"{_failure_name(exc)}: {exc}"
                 continue
@@ -908,20 +907,17 @@ def _error_reply(exc: BaseException, method: str, path: str) -> "_Full":
     return _HTTPError(500, f"gateway error: {type(exc).__name__}", type="server_error").reply()
 
 
-async def _read_body(request: Any, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    _check_declared(declared, limit)
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _HTTPError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
-        parts.append(chunk)
-    return b"".join(parts)
+def _reply_headers(raw: Any) -> list[tuple[bytes, bytes]]:
+    """An upstream response's headers as passed on to the caller (ASGI form, hop-by-hop ones dropped)."""
+    out = []
+    for k, v in raw:
+        k = k.lower()
+        if k not in _DROP_RESPONSE_HEADERS:
+            out.append((k, v))
+    return out
 
 
-async def _receive_body(receive: Any, headers: dict[str, str], limit: int) -> bytes:
+async def _receive_body(receive: Any, headers: Any, limit: int) -> bytes:
     """The request body from raw ASGI messages, within `limit` bytes."""
     _check_declared(headers.get("content-length"), limit)
     parts: list[bytes] = []
@@ -1068,7 +1064,7 @@ class _App:
 def _build_starlette(gw: Gateway) -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response
+    from starlette.responses import JSONResponse
     from starlette.routing import Route
 
     def endpoint(fn: Any, *, auth: bool = True) -> Any:
@@ -1082,7 +1078,7 @@ def _build_starlette(gw: Gateway) -> Any:
         return handler
 
     async def json_body(request: Request, *, optional: bool = False) -> dict[str, Any]:
-        raw = await _read_body(request, gw.max_body_bytes)
+        raw = await _receive_body(request.receive, request.headers, gw.max_body_bytes)
         if not raw.strip() and optional:
             return {}
         try:
@@ -1154,11 +1150,11 @@ def _build_starlette(gw: Gateway) -> Any:
 
     async def not_found(request: Request, _exc: Exception) -> Any:
         err = _HTTPError(404, f"no route {request.method} {request.url.path}", code="not_found")
-        return Response(err.body(), status_code=404, media_type="application/json")
+        return err.reply()
 
     async def bad_method(request: Request, _exc: Exception) -> Any:
         err = _HTTPError(405, f"method {request.method} not allowed on {request.url.path}", code="method_not_allowed")
-        return Response(err.body(), status_code=405, media_type="application/json")
+        return err.reply()
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> Any:

@@ -314,8 +314,9 @@ def policy_loss(
         "response_tokens": mask.sum(),
         # The largest new/old probability ratio on a response token (as its log): stale rollouts with a
         # negative advantage and a large ratio are what the dual clip bounds. Aggregated by max.
+        # (numel, not mask.any(): no device sync per micro-batch; an all-masked batch gives -inf)
         "log_ratio_max": (-terms.neg_log_ratio.detach()).masked_fill(mask == 0, float("-inf")).max()
-        if mask.any() else torch.tensor(float("-inf")),
+        if mask.numel() else torch.tensor(float("-inf")),
     }
     if ref_logp is not None:
         kl = kl_estimate(logp, ref_logp, cfg.kl_kind)
