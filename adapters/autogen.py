@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 MARK_HEADER = "x-lightning-capture"  # in dumped configs only; removed again on load
 _STATE_KEY = "_lightning_capture"
-_tokens: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()  # token -> CaptureSettings
+_tokens: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()  # token -> CaptureSettings
 _hooks_installed = False
 
 
@@ -102,7 +102,7 @@ def _patch_client_class(cls: Any) -> None:
         if settings is not None:
             _rewrap(self, settings)
         else:  # unpickled in another process: reopen the same store by URL
-            from lightning_middleware.wrap import wrap
+            from lightning_middleware.capture import wrap
 
             wrap(self, store=mark["store_url"], record_unattached=mark["record_unattached"])
 
@@ -125,7 +125,7 @@ def _patch_client_class(cls: Any) -> None:
             raise RuntimeError(
                 "this model client config was dumped from a client that lightning-middleware recorded in "
                 f"another process; remove the '{MARK_HEADER}' default header from the config, load it, and "
-                "call lightning_middleware.wrap(client, store=...) on the loaded client to keep recording")
+                "call lightning_middleware.capture.wrap(client, store=...) on the loaded client to keep recording")
         client = orig_from_config(klass, config.model_copy(update={"default_headers": headers or None}))
         _rewrap(client, settings)
         return client
@@ -142,7 +142,7 @@ def _named(original: Any) -> Any:
     @functools.wraps(original)
     @contextlib.contextmanager
     def trace_invoke_agent_span(agent_name: str, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        from lightning_middleware.context import agent_scope
+        from lightning_middleware.capture import agent_scope
 
         with original(agent_name, *args, **kwargs) as span, agent_scope(agent_name):
             yield span
@@ -171,7 +171,7 @@ def install_hooks() -> None:
         return
     for module in (_base_chat_agent, _chat_agent_container):
         if hasattr(module, "trace_invoke_agent_span"):
-            module.trace_invoke_agent_span = _named(module.trace_invoke_agent_span)
+            setattr(module, "trace_invoke_agent_span", _named(module.trace_invoke_agent_span))  # noqa: B010
         else:
             log.warning("autogen-agentchat changed: %s has no trace_invoke_agent_span; calls are recorded "
                         "without agent names (use lightning_middleware.agent_scope)", module.__name__)

@@ -65,7 +65,7 @@ def http_clients(obj: Any) -> list[Any] | None:
 def _handler_class() -> type:
     from langchain_core.callbacks import BaseCallbackHandler
 
-    from lightning_middleware.context import _agent
+    from lightning_middleware.capture import current_agent, set_current_agent
 
     class AgentNameHandler(BaseCallbackHandler):
         """Sets the agent-name ContextVar around each chat model run (inline: same context as the HTTP call)."""
@@ -96,13 +96,13 @@ def _handler_class() -> type:
                                 metadata: dict[str, Any] | None = None, **kwargs: Any) -> None:
             name = self._name(metadata, tags, kwargs.get("name"), serialized)
             if name is not None:
-                self._previous[run_id] = _agent.get()
-                _agent.set(name)
+                self._previous[run_id] = current_agent()
+                set_current_agent(name)
 
         def _restore(self, run_id: UUID) -> None:
             if run_id in self._previous:
                 # set() rather than reset(token): the end event may run in another context (streams)
-                _agent.set(self._previous.pop(run_id))
+                set_current_agent(self._previous.pop(run_id))
 
         def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
             self._restore(run_id)

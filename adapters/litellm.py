@@ -108,7 +108,7 @@ def install_hooks() -> None:
         def create_client(self: Any, *args: Any, __original: Any = original, **kwargs: Any) -> Any:
             return _record_new(__original(self, *args, **kwargs))
 
-        cls.create_client = create_client
+        setattr(cls, "create_client", create_client)  # noqa: B010 - a method replaced on the class
     for name in ("_get_sync_http_client", "_get_async_http_client"):
         original = getattr(BaseOpenAILLM, name)  # a staticmethod, resolved to its function
 

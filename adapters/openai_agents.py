@@ -55,7 +55,7 @@ def _named_turn(fn: Any, bindings_index: int) -> Any:
 
     @functools.wraps(fn)
     async def turn(*args: Any, **kwargs: Any) -> Any:
-        from lightning_middleware.context import agent_scope
+        from lightning_middleware.capture import agent_scope
 
         bindings = kwargs.get("bindings", args[bindings_index] if len(args) > bindings_index else None)
         agent = getattr(bindings, "public_agent", None)

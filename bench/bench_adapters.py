@@ -59,7 +59,7 @@ def _pairs(url: str, store: TraceStore) -> dict[str, tuple[Callable, Callable]]:
         return lambda: c.create([UserMessage(content=MSGS[0]["content"], source="user")])
     pairs["autogen"] = (ag(False), ag(True))
 
-    from agents import OpenAIChatCompletionsModel, ModelSettings, set_tracing_disabled
+    from agents import ModelSettings, OpenAIChatCompletionsModel, set_tracing_disabled
     from agents.models.interface import ModelTracing
 
     set_tracing_disabled(True)

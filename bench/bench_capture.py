@@ -69,7 +69,8 @@ def main() -> None:
     recorded = store.count("llm_calls")
     mode = "streaming" if args.stream else "non-streaming"
     print(f"capture overhead, {args.calls} {mode} calls each, interleaved, loopback test server")
-    print(f"{'client':18s} {'p50 ms':>8s} {'p99 ms':>8s} {'added p50 us':>13s} {'ratio p50':>10s} {'added p99 us':>13s}")
+    print(f"{'client':18s} {'p50 ms':>8s} {'p99 ms':>8s} {'added p50 us':>13s} {'ratio p50':>10s} "
+          f"{'added p99 us':>13s}")
     b50, b99 = statistics.median(times["bare"]), _pct(times["bare"], 0.99)
     for name in names:
         p50, p99 = statistics.median(times[name]), _pct(times[name], 0.99)

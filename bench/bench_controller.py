@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_middleware import TraceStore  # noqa: E402
 from lightning_middleware.controller import RayBackend, RolloutController  # noqa: E402
 from lightning_middleware.testing import LLMTestServer  # noqa: E402
-from tests import controller_agents as A  # noqa: E402
+from tests.controller import controller_agents as A  # noqa: E402
 
 
 def cell(agent, backend, tasks, concurrency: int, store: TraceStore) -> tuple[float, int]:

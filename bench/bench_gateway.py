@@ -2,7 +2,7 @@
 
     python bench/bench_gateway.py [--seq 200] [--conc 32] [--conc-requests 4000] [--max-seconds 20]
 
-Starts the deterministic test server (`lightning_middleware.testing`) and the
+Starts the deterministic test server (`lightning_middleware.testing.llm_server`) and the
 gateway (`lightning-mw gateway`, SQLite store in a temp dir) as subprocesses on
 loopback, then measures from this process with an asyncio aiohttp client:
 
@@ -113,7 +113,7 @@ async def _seq_interleaved(targets: dict[str, tuple[list[str], bool]], stream: b
     lat: dict[str, list[float]] = {name: [] for name in targets}
     salt = uuid.uuid4().hex[:6]
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as client:
-        for name, (urls, direct) in targets.items():  # warm each connection
+        for urls, direct in targets.values():  # warm each connection
             body = _body(-1, stream, direct)
             body["messages"][1]["content"] += f" warm {uuid.uuid4().hex}"
             await _one(client, urls[0], body)
@@ -254,7 +254,8 @@ def main() -> int:
                 all_rids += rids
                 urls[name] = (gw_urls, False)
             for stream in (False, True):
-                print(f"... sequential, interleaved, {'stream' if stream else 'non-stream'}", file=sys.stderr, flush=True)
+                print(f"... sequential, interleaved, {'stream' if stream else 'non-stream'}", file=sys.stderr,
+                      flush=True)
                 seq = asyncio.run(_seq_interleaved(urls, stream, args.seq, args.max_seconds * len(names)))
                 for name in names:
                     results[(name, stream, "seq")] = seq[name]
@@ -291,7 +292,8 @@ def main() -> int:
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"gateway benchmark: {os.cpu_count()} cores (load average {load:.1f}), loopback, Python "
-          f"{sys.version.split()[0]}, SQLite store, engine {args.engine_ms:g} ms + {args.engine_cpu_ms:g} ms CPU/completion; sequential n={args.seq}, "
+          f"{sys.version.split()[0]}, SQLite store, engine {args.engine_ms:g} ms + {args.engine_cpu_ms:g} ms "
+          f"CPU/completion; sequential n={args.seq}, "
           f"{args.conc} concurrent n<={args.conc_requests}, cap {args.max_seconds:g}s/phase")
     header = f"{'mode':10s} {'metric':26s}" + "".join(f" {n:>10s}" for n in names) + "".join(
         f" {'added ' + n:>14s}" for n in names[1:])

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import httpx
 
-from lightning_middleware.publisher import WeightPublisher
-from lightning_middleware.serving import VLLMServer
 from trainer_backend.models import build_tiny_model, reinit_weights
+from trainer_backend.serving.publisher import WeightPublisher
+from trainer_backend.serving.server import VLLMServer
 
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
 

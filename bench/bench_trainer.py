@@ -17,8 +17,12 @@
    token, the only ones where the engine computes logits (the bare model computes and is
    credited with all). Precisions: fp32, bf16-autocast (fp32 weights, autocast), bf16 (bf16
    weights and compute, fp32 master weights); `+compile`: torch.compile'd decoder layers (the
-   compilation happens in the warm-up step, not timed). Peak: best of repeated large square
-   `torch.matmul` in bf16 and in fp32, measured here; the bf16 modes are measured against bf16's.
+   compilation happens in the warm-up step, not timed); `auto`: the engine's default, bf16 where
+   the CPU computes it natively and faster (engines/precision.py's probe), else fp32. Peak: best
+   of repeated large square `torch.matmul` in bf16 and in fp32, measured here; each mode is
+   measured against the peak of the dtype it actually computes in. bf16 modes are skipped by
+   default where bf16 is not native (emulated bf16 runs ~60x slower than fp32: ask for them
+   with --dtypes to see it).
 
     python bench/bench_trainer.py [--rollouts 128] [--rows 4 --length 512] [--quick]
 """
@@ -38,12 +42,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from trainer_backend.engine_torch import PRECISIONS  # noqa: E402
-
 from lightning_middleware import LLMCall, TraceStore  # noqa: E402
 from lightning_middleware.records import Reward, Rollout, new_id  # noqa: E402
-from trainer_backend.grpo import rollout_advantages  # noqa: E402
-from trainer_backend.rows import build_rows_for_rollouts, with_advantages  # noqa: E402
+from lightning_middleware.rows import build_rows_for_rollouts, with_advantages  # noqa: E402
+from trainer_backend.algorithms.grpo import rollout_advantages  # noqa: E402
+from trainer_backend.engines.precision import bf16_probe, cpu_kind, resolve_precision  # noqa: E402
+from trainer_backend.engines.torch_engine import PRECISIONS  # noqa: E402
 
 VOCAB_IDS = 150_000
 
@@ -80,7 +84,7 @@ def assemble(store: TraceStore, rollouts: list[Rollout], rewards: dict[str, floa
     t0 = time.perf_counter()
     calls = store.calls_for([r.id for r in rollouts], training_only=True)
     t1 = time.perf_counter()
-    rows, stats = build_rows_for_rollouts(((r, calls[r.id]) for r in rollouts))
+    rows, stats = build_rows_for_rollouts((r, calls[r.id]) for r in rollouts)
     t2 = time.perf_counter()
     adv = rollout_advantages(rewards, {r.id: r.task_id for r in rollouts})
     rows = with_advantages(rows, adv)
@@ -152,7 +156,7 @@ def make_model(d: str, name: str) -> tuple[str, int, tuple]:
 
 
 def train_rows(n_rows: int, length: int, vocab: int, prompt: int) -> list:
-    from trainer_backend.rows import Row
+    from lightning_middleware.rows import Row
 
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -196,7 +200,7 @@ def bench_model_only(path: str, n_params: int, *, precision: str, n_rows: int, l
 
 def bench_train(path: str, n_params: int, shape: tuple, *, precision: str, steps: int, n_rows: int, length: int,
                 micro_batch_tokens: int) -> dict:
-    from trainer_backend.engine_torch import TorchEngine, TorchEngineConfig
+    from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig
 
     hidden, layers, _h, _kv, _i, vocab = shape
     precision, _, compiled = precision.partition("+")  # "bf16+compile": torch.compile'd decoder layers
@@ -217,7 +221,8 @@ def bench_train(path: str, n_params: int, shape: tuple, *, precision: str, steps
     head = vocab * hidden
     flops_6n = 6 * (n_params * tokens - head * (tokens - n_rows * (length - prompt))) / t
     attn_per_token = 12 * layers * hidden * (length / 2)
-    return dict(tokens_per_s=tps, step_s=t, flops=flops_6n, flops_attn=flops_6n + attn_per_token * tps, tokens=tokens)
+    return dict(tokens_per_s=tps, step_s=t, flops=flops_6n, flops_attn=flops_6n + attn_per_token * tps, tokens=tokens,
+                precision=eng.config.precision)
 
 
 # ---------------------------------------------------------------- main
@@ -228,10 +233,10 @@ def cpu_model() -> str:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                    return f"{line.split(':', 1)[1].strip()} ({cpu_kind()})"
     except OSError:
         pass
-    return platform.processor() or "?"
+    return f"{platform.processor() or '?'} ({cpu_kind()})"
 
 
 def main() -> None:
@@ -243,16 +248,22 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=512, help="tokens per training row")
     ap.add_argument("--quick", action="store_true", help="smaller everything (a smoke run)")
     ap.add_argument("--models", default="qwen2-h256-l4,qwen2-30M", help=f"comma list of {', '.join(MODELS)}")
-    ap.add_argument("--dtypes", default="fp32,bf16-autocast,bf16,bf16+compile",
-                    help=f"comma list of {', '.join(PRECISIONS)}, each optionally +compile")
+    ap.add_argument("--dtypes", default=None,
+                    help=f"comma list of {', '.join(PRECISIONS)}, each optionally +compile (default: auto, fp32 "
+                         "and, where bf16 is native, bf16-autocast, bf16, bf16+compile)")
     args = ap.parse_args()
-    unknown = set(args.models.split(",")) - set(MODELS) | {d.removesuffix("+compile") for d in args.dtypes.split(",")} - set(PRECISIONS)
+    probe = bf16_probe()
+    if args.dtypes is None:
+        args.dtypes = "auto,fp32,bf16-autocast,bf16,bf16+compile" if probe.native else "auto,fp32,fp32+compile"
+    dtypes = {d.removesuffix("+compile") for d in args.dtypes.split(",")}
+    unknown = set(args.models.split(",")) - set(MODELS) | dtypes - set(PRECISIONS)
     if unknown:
         ap.error(f"unknown model or dtype: {', '.join(sorted(unknown))}")
     t_start = time.perf_counter()
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), python {platform.python_version()}; "
           f"load average {os.getloadavg()[0]:.2f} (1 min)")
+    print(f"bf16 probe: {probe.reason} -> auto = {resolve_precision('auto', probe=probe)}")
 
     a = bench_assembly(32 if args.quick else args.rollouts, 2 if args.quick else args.repeats)
     print("\n== batch assembly (SQLite store -> rows with advantages) ==")
@@ -285,7 +296,7 @@ def main() -> None:
             for precision in args.dtypes.split(","):
                 r = bench_train(path, n_params, shape, precision=precision, steps=1 if args.quick else args.steps,
                                 n_rows=n_rows, length=length, micro_batch_tokens=2048)
-                base = precision.partition("+")[0]
+                base = resolve_precision(precision.partition("+")[0], probe=probe)
                 if base not in bare:  # the bare model once per precision (it is never compiled)
                     bare[base] = bench_model_only(path, n_params, precision=base, n_rows=n_rows, length=length,
                                                   vocab=shape[-1], micro_rows=max(1, 2048 // length), steps=2)
@@ -296,7 +307,8 @@ def main() -> None:
     peak_bf16, peak_fp32 = max(peaks["bf16"]), max(peaks["fp32"])
 
     print("\n== matmul peak (measured before, between and after the training runs; best) ==")
-    print(f"bf16 {peak_bf16 / 1e9:,.0f} GFLOP/s   fp32 {peak_fp32 / 1e9:,.0f} GFLOP/s   (square torch.matmul 1024/2048; "
+    print(f"bf16 {peak_bf16 / 1e9:,.0f} GFLOP/s   fp32 {peak_fp32 / 1e9:,.0f} GFLOP/s   "
+          "(square torch.matmul 1024/2048; "
           f"runs: bf16 {', '.join(f'{p / 1e9:.0f}' for p in peaks['bf16'])}, "
           f"fp32 {', '.join(f'{p / 1e9:.0f}' for p in peaks['fp32'])})")
 
@@ -306,8 +318,10 @@ def main() -> None:
     print(f"{'model':<16}{'params':>9}{'mode':>15}{'tok/s':>9}{'step s':>8}{'GFLOP/s':>9}{'MFU':>7}"
           f"{'MFU+attn':>10}{'bare fwd+bwd MFU':>18}")
     for name, n_params, precision, r in results:
-        peak = peak_fp32 if precision.startswith("fp32") else peak_bf16
-        print(f"{name:<16}{n_params / 1e6:>8.1f}M{precision:>15}"
+        used = r["precision"]
+        peak = peak_fp32 if used.startswith("fp32") else peak_bf16
+        mode = precision if precision.partition("+")[0] != "auto" else precision.replace("auto", f"auto={used}")
+        print(f"{name:<16}{n_params / 1e6:>8.1f}M{mode:>15}"
               f"{r['tokens_per_s']:>9,.0f}{r['step_s']:>8.2f}{r['flops'] / 1e9:>9.1f}"
               f"{100 * r['flops'] / peak:>6.1f}%{100 * r['flops_attn'] / peak:>9.1f}%"
               f"{100 * r['bare_flops'] / peak:>17.1f}%")

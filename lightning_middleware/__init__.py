@@ -6,10 +6,9 @@
         r.reward(1.0)
 """
 
-from .context import agent_scope, emit_reward, propagate, rollout, rollout_headers
-from .records import LLMCall, Mode, PolicyVersion, Reward, Rollout, RolloutStatus, TrainStep
-from .store import StoreError, TraceStore
-from .wrap import wrap
+from lightning_middleware.capture import agent_scope, emit_reward, propagate, rollout, rollout_headers, wrap
+from lightning_middleware.records import LLMCall, Mode, PolicyVersion, Reward, Rollout, RolloutStatus, TrainStep
+from lightning_middleware.store import StoreError, TraceStore
 
 __version__ = "0.1.0"
 

@@ -1,42 +1,35 @@
 """`lightning-mw`: the one command-line entry point.
 
-Each feature module contributes its subcommands through `add_cli(subparsers)`;
-modules are imported only to register their parsers, so their heavy imports
-must live inside the command functions.
+Subcommands are registered through the `lightning_middleware.commands` entry-point group
+(pyproject.toml): each entry is an `add_cli(subparsers)` function. The core therefore never
+names the trainer's package, and a package installed beside it can add its own commands.
+Registering must stay cheap: heavy imports live inside the command functions.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
+from importlib.metadata import entry_points
 
-# Modules that contribute subcommands. Missing ones (a feature not built yet, an
-# optional dependency not installed) are skipped with a debug log.
-COMMAND_MODULES = (
-    "lightning_middleware.example",
-    "lightning_middleware.inspect",
-    "lightning_middleware.controller",
-    "lightning_middleware.export",
-    "trainer_backend.daemon",
-    "lightning_middleware.gateway",
-    "lightning_middleware.serving",
-    "lightning_middleware.demo",
-)
+from lightning_middleware.store import StoreError
+
+ENTRY_POINT_GROUP = "lightning_middleware.commands"
+log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-mw", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
-            module = importlib.import_module(name)
-        except ImportError as exc:
-            logging.getLogger(__name__).debug("commands of %s unavailable: %s", name, exc)
+            add_cli = ep.load()
+        except ImportError as exc:  # an optional dependency not installed: that command is absent
+            log.debug("command %s unavailable: %s", ep.name, exc)
             continue
-        module.add_cli(sub)
+        add_cli(sub)
     return parser
 
 
@@ -48,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except StoreError as exc:  # a bad store URL or path: one line that names it, no traceback
+        print(f"lightning-mw {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

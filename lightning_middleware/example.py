@@ -20,7 +20,7 @@ def add_cli(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _agent(client: Any, question: str) -> str:
+def tool_agent(client: Any, question: str) -> str:
     """A plain openai tool loop: the agent code a user already has."""
     tools = [{"type": "function", "function": {"name": "lookup", "description": "look a fact up",
                                                "parameters": {"type": "object",
@@ -40,8 +40,8 @@ def _agent(client: Any, question: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from openai import OpenAI
 
-    from . import TraceStore, rollout, wrap
-    from .testing import LLMTestServer
+    from lightning_middleware import TraceStore, rollout, wrap
+    from lightning_middleware.testing import LLMTestServer
 
     url = args.store
     if url is None:
@@ -56,16 +56,16 @@ def run(args: argparse.Namespace) -> int:
         client = wrap(OpenAI(base_url=server.base_url, api_key="unused"), store=store)  # the one added line
         for i in range(args.rollouts):
             with rollout(f"question-{i % 2}", input={"i": i}, store=store) as r:
-                answer = _agent(client, f"what is fact {i}?")
+                answer = tool_agent(client, f"what is fact {i}?")
                 r.reward(1.0 if "fact" in answer else 0.0)
     print(f"store: {store.safe_url}")
     for ro in store.query_rollouts():
         print(f"rollout {ro.id[:8]} task={ro.task_id} status={ro.status} reward={ro.final_reward} "
               f"duration={ro.duration_s:.3f}s")
         for c in store.calls(ro.id):
-            msg = c.response["choices"][0]["message"]
+            msg = (c.response or {}).get("choices", [{}])[0].get("message") or {}
             what = msg.get("content") or json.dumps(msg.get("tool_calls"))[:70]
             print(f"  call {c.call_index}: prompt {len(c.prompt_token_ids)} tokens, completion "
                   f"{len(c.completion_token_ids)} tokens, logprobs {'yes' if c.logprobs else 'no'}, "
-                  f"training={c.is_training}, {c.latency_s * 1000:.1f} ms -> {what}")
+                  f"training={c.is_training}, {(c.latency_s or 0.0) * 1000:.1f} ms -> {what}")
     return 0

@@ -24,14 +24,25 @@ def new_id() -> str:
     return f"{time.time_ns():016x}{os.urandom(8).hex()}"
 
 
-class RolloutStatus(str, enum.Enum):
+class _StrEnum(str, enum.Enum):
+    """A str enum that prints and formats as its value on every Python version (3.11 changed
+    `format()` of mixed-in enums to "Class.MEMBER")."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class RolloutStatus(_StrEnum):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     TIMEOUT = "timeout"
 
 
-class Mode(str, enum.Enum):
+class Mode(_StrEnum):
     TRAIN = "train"
     VAL = "val"
 
@@ -42,8 +53,8 @@ class Rollout:
 
     id: str
     task_id: str
-    mode: str = "train"
-    status: str = RolloutStatus.RUNNING.value
+    mode: Mode = Mode.TRAIN  # a plain str ("train") is turned into the enum, and checked, on construction
+    status: RolloutStatus = RolloutStatus.RUNNING
     input: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     final_reward: float | None = None
@@ -55,6 +66,11 @@ class Rollout:
     # Set by the trainer: which daemon took it, and the step that trained on it.
     claimed_by: str | None = None
     consumed_step: int | None = None
+
+    def __post_init__(self) -> None:
+        # Accept the plain strings the store and JSON carry; a bad value fails here, not later.
+        object.__setattr__(self, "mode", Mode(self.mode))
+        object.__setattr__(self, "status", RolloutStatus(self.status))
 
 
 @dataclass(frozen=True)
@@ -112,6 +128,29 @@ class PolicyVersion:
     checksum: str | None = None
     created_at: float = 0.0
     metadata: dict[str, Any] = field(default_factory=dict)
+
+
+# The metrics every trainer step records in `TrainStep.metrics` (the daemon writes more:
+# rows_*, skipped_*, publish_*). Notebooks and analysis read these names; a daemon test checks
+# that a real step writes every one of them.
+STEP_METRICS: dict[str, str] = {
+    "loss": "the step's loss (policy loss + KL/entropy terms), rollout-level token mean",
+    "pg_loss": "the clipped policy-gradient part of the loss",
+    "approx_kl": "mean(old - new log-prob) over response tokens (verl's ppo_kl)",
+    "entropy": "mean token entropy of the policy, aggregated like the loss",
+    "clip_frac": "share of response tokens whose ratio was clipped",
+    "ratio_max": "largest new/old probability ratio of any response token",
+    "grad_norm": "gradient norm before clipping",
+    "reward_mean": "mean final reward of the step's rollouts",
+    "reward_std": "standard deviation of those rewards",
+    "success_rate": "share of the step's rollouts that succeeded",
+    "staleness_mean": "mean policy-version lag of the step's rollouts",
+    "staleness_max": "largest policy-version lag",
+    "n_rollouts": "rollouts trained in the step",
+    "tokens_per_s": "training tokens per second of the engine step",
+    "step_time_s": "wall time of the whole step (batch, train, publish, commit)",
+    "rows_prefix_break_rate": "share of merge chances where a prompt did not extend its row",
+}
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Session fixtures for tests against a real vLLM CPU server (a pytest plugin module:
 the root conftest loads it with ``pytest_plugins``; by hand: ``-p tests.fixtures_vllm``).
 
-The server runs from the project's vLLM venv (``lightning_middleware.serving.vllm_python()``:
+The server runs from the project's vLLM venv (``trainer_backend.serving.server.vllm_python()``:
 ``$LIGHTNING_VLLM_PYTHON`` or ``$LIGHTNING_HOME/vllm-env``). Tests that need it are
 skipped with a message when it does not exist, unless ``LIGHTNING_TEST_INSTALL_VLLM=1``
 asks to create it (minutes, ~3.4 GB). One server per test session, on a tiny
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from lightning_middleware.serving import VLLMServer
+    from trainer_backend.serving.server import VLLMServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -37,7 +37,7 @@ class TinyCheckpoints:
 
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
-    from lightning_middleware import serving
+    from trainer_backend.serving import env as serving
 
     python = serving.vllm_python()
     if not python.exists():
@@ -74,7 +74,7 @@ def untied_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoi
 def vllm_server(
     vllm_python: Path, tied_checkpoints: TinyCheckpoints, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VLLMServer]:
-    from lightning_middleware.serving import VLLMServer
+    from trainer_backend.serving.server import VLLMServer
 
     log_path = tmp_path_factory.mktemp("vllm-log") / "server.log"
     server = VLLMServer(

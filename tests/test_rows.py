@@ -1,11 +1,11 @@
-"""Token/mask edge cases of the row rule (trainer_backend.rows). Pure Python."""
+"""Token/mask edge cases of the row rule (lightning_middleware.rows). Pure Python."""
 
 from __future__ import annotations
 
 import pytest
 
 from lightning_middleware.records import LLMCall, Rollout
-from trainer_backend.rows import Row, RowStats, build_rows, build_rows_for_rollouts, with_advantages
+from lightning_middleware.rows import Row, RowStats, build_rows, build_rows_for_rollouts, with_advantages
 
 
 def call(i: int, prompt, completion, *, lp=None, agent=None, attempt=1, training=True, partial=False,
@@ -191,5 +191,31 @@ def test_rows_module_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, trainer_backend.rows, lightning_middleware.records; sys.exit('torch' in sys.modules)"
+    code = "import sys, lightning_middleware.rows, lightning_middleware.records; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_one_rule_for_which_attempt_counts():
+    """Per call index: the last training attempt, else the last attempt. Training, evaluation
+    metrics and export all use `counted_attempts`, so they agree on which tokens a call had."""
+    from lightning_middleware.rows import counted_attempts
+
+    first = call(0, [1, 2], [3], attempt=1)
+    replay = call(0, [1, 2], [3, 4], attempt=2)  # two training attempts of one call (a replayed retry)
+    failed = call(0, [1, 2], [], attempt=3, training=False)  # a later failed attempt never displaces them
+    only_failed = [call(1, [5], [6], attempt=1, training=False), call(1, [5], [7], attempt=2, training=False)]
+    counted = counted_attempts([failed, replay, first, *only_failed])
+    assert [(c.call_index, c.attempt) for c in counted] == [(0, 2), (1, 2)]
+    rows, st = rows_of([first, replay, failed])
+    assert rows[0].input_ids == (1, 2, 3, 4) and st.duplicate_attempts == 1  # the trainer trains the same one
+
+
+def test_evaluation_metrics_count_the_attempt_the_trainer_trains(store) -> None:
+    from lightning_middleware.controller import compute_metrics
+
+    store.create_rollout(Rollout(id="r1", task_id="t1", status="succeeded"))
+    for c in (call(0, [1, 2], [3], attempt=1), call(0, [1, 2], [3, 4, 5], attempt=2)):
+        store.record_call(c)
+    m = compute_metrics(store, ["r1"])
+    # 2 prompt + 3 completion tokens: the second training attempt (the first one's 1 token before)
+    assert m["tokens_per_rollout"] == 5 and m["completion_tokens_per_rollout"] == 3 and m["avg_turns"] == 1

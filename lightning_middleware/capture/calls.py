@@ -1,0 +1,299 @@
+"""One recorded call: what capture adds to a request (token IDs, logprobs), the attempt while
+it runs, and the record built from its bytes on the store's writer thread.
+
+`begin_call` is the entry both the `wrap()` transport and the gateway use, so an agent in the
+process and one behind the gateway are recorded by the same code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_middleware import fastjson
+from lightning_middleware.capture.assembly import Assembled, BodyCollector
+from lightning_middleware.capture.context import (
+    AGENT_HEADER,
+    ROLLOUT_HEADER,
+    RolloutState,
+    current_agent,
+    current_rollout,
+    state_for_header,
+)
+from lightning_middleware.records import LLMCall, new_id
+from lightning_middleware.store import TraceStore
+
+log = logging.getLogger(__name__)
+
+_ENDPOINTS = (("/chat/completions", "chat.completions"), ("/completions", "completions"), ("/responses", "responses"))
+ROUTING_HEADERS = (ROLLOUT_HEADER, AGENT_HEADER)
+_warned: set[str] = set()
+
+
+def reset_warnings() -> None:
+    """Forget which once-per-process warnings were logged (tests that check a warning)."""
+    _warned.clear()
+
+
+def _warn_once(key: str, msg: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
+
+
+# Request-body keys that carry credentials: never stored (the gateway also never forwards them).
+_SECRET_KEYS = frozenset({
+    "api_key", "apikey", "api-key", "openai_api_key", "authorization", "access_token", "token", "secret",
+    "client_secret", "password", "bearer_token", "auth",
+})
+_HEADER_LIKE_KEYS = ("headers", "extra_headers", "default_headers")
+
+
+def scrub_secrets(payload: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The request body without credential fields (top level, and header-like dicts). (body, changed)."""
+    changed = False
+    out: dict[str, Any] = {}
+    for k, v in payload.items():
+        lk = k.lower() if isinstance(k, str) else k
+        if lk in _SECRET_KEYS:
+            changed = True
+            continue
+        if lk in _HEADER_LIKE_KEYS and isinstance(v, dict):
+            kept = {hk: hv for hk, hv in v.items()
+                    if not (isinstance(hk, str) and (hk.lower() in _SECRET_KEYS or hk.lower() in ("x-api-key",)))}
+            if len(kept) != len(v):
+                changed = True
+                v = kept
+        out[k] = v
+    return out, changed
+
+
+def _endpoint_of(path: str) -> str | None:
+    for suffix, name in _ENDPOINTS:
+        if path.rstrip("/").endswith(suffix):
+            return name
+    return None
+
+
+@dataclass
+class CaptureSettings:
+    """How a wrapped client records. Shared by every transport `wrap()` installed for it."""
+
+    store: TraceStore
+    record_unattached: bool = True
+    inject_token_ids: bool = True
+    inject_logprobs: bool = True
+    # Remove the fields only our injection produced from what the caller gets (the gateway keeps them).
+    strip_added: bool = True
+    # Hosts that answered 400 to the injected fields: leave their requests alone.
+    no_inject_hosts: set[str] = field(default_factory=set)
+    _unattached_counter: Any = field(default_factory=lambda: _Counter())
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> int:
+        with self._lock:
+            self._n += 1
+            return self._n - 1
+
+
+# --------------------------------------------------------------------------
+# One call in flight. The agent's thread only collects bytes; parsing them into
+# a record happens on the store's writer thread (`DeferredCall.build`).
+# --------------------------------------------------------------------------
+
+@dataclass
+class PendingCall:
+    settings: CaptureSettings
+    endpoint: str
+    state: RolloutState | None
+    call_index: int
+    attempt: int
+    agent_name: str | None
+    body: bytes  # the request body as the caller sent it
+    payload: dict[str, Any]  # ... parsed
+    added: frozenset[str]  # fields we added to the request (removed again from what the caller gets)
+    started_at: float = field(default_factory=time.time)
+    t0: float = field(default_factory=time.perf_counter)
+    done: bool = False
+
+    @property
+    def store(self) -> TraceStore:
+        return self.state.store if self.state is not None else self.settings.store
+
+    def rejected(self, status_code: int, host: str) -> bool:
+        """Did `host` answer 400 to fields we added? Then stop adding them there: the caller's
+        request is resent as written (`self.body`), and recording is never why a call fails."""
+        if not (self.added and status_code == 400):
+            return False
+        self.settings.no_inject_hosts.add(host)
+        _warn_once(f"reject:{host}", "%s rejected return_token_ids/logprobs (not vLLM?); sending requests "
+                   "to it unchanged from now on, without token IDs", host)
+        self.added = frozenset()
+        return True
+
+    def finish(self, *, status_code: int | None = None, chunks: list[bytes] | None = None,
+               headers: Any = None, error: str | None = None) -> None:
+        """Hand the call to the store's writer exactly once. Never raises."""
+        if self.done:
+            return
+        self.done = True
+        try:
+            self.store.submit_call(DeferredCall(self, status_code, chunks or [], headers, error,
+                                                 time.perf_counter() - self.t0))
+        except Exception:  # recording must not break the agent
+            log.exception("could not record an LLM call")
+
+
+class DeferredCall:
+    """A finished HTTP attempt, turned into an `LLMCall` by `build()` on the writer thread."""
+
+    def __init__(self, pending: PendingCall, status_code: int | None, chunks: list[bytes], headers: Any,
+                 error: str | None, latency_s: float) -> None:
+        self.pending = pending
+        self.status_code = status_code
+        self.chunks = chunks
+        self.content_type = headers.get("content-type", "") if headers is not None else ""
+        self.content_encoding = headers.get("content-encoding") if headers is not None else None
+        self.policy_version = _policy_version_of(headers)
+        self.error = error
+        self.latency_s = latency_s
+
+    def build(self) -> LLMCall:
+        p = self.pending
+        streaming = "text/event-stream" in self.content_type
+        collector = BodyCollector(p.endpoint, streaming, self.content_encoding)
+        for chunk in self.chunks:
+            collector.feed(chunk)
+        a = collector.result() if self.status_code is not None else Assembled()
+        ok = self.status_code is not None and 200 <= self.status_code < 300
+        error = self.error
+        if self.status_code is not None and not ok:
+            error = f"HTTP {self.status_code}" + ("" if streaming else f": {collector.raw_text(500)}")
+        has_ids = bool(a.prompt_token_ids) and bool(a.completion_token_ids)
+        trainable = p.endpoint != "responses"
+        if ok and a.complete and not has_ids and trainable:
+            _warn_once("no-ids", "the LLM server returned no token IDs (is it vLLM?); calls are recorded "
+                       "but can't be trained on")
+        pv = self.policy_version
+        if pv is None and p.state is not None:
+            pv = p.state.policy_version
+        return LLMCall(
+            id=new_id(),
+            rollout_id=None if p.state is None else p.state.id,
+            call_index=p.call_index,
+            attempt=p.attempt,
+            endpoint=p.endpoint,
+            model=p.payload.get("model") or (a.response or {}).get("model"),
+            agent_name=p.agent_name,
+            request=scrub_secrets(p.payload)[0],
+            response=a.response,
+            prompt_token_ids=tuple(a.prompt_token_ids),
+            completion_token_ids=tuple(a.completion_token_ids),
+            logprobs=tuple(a.logprobs) if a.logprobs is not None else None,
+            finish_reason=a.finish_reason,
+            status_code=self.status_code,
+            stream=streaming,
+            partial=ok and not a.complete,
+            is_training=ok and a.complete and has_ids and trainable,
+            error=error or a.error,
+            latency_s=self.latency_s,
+            started_at=p.started_at,
+            policy_version=pv,
+            request_hash=hashlib.sha256(p.body).hexdigest(),
+        )
+
+
+def begin_request(settings: CaptureSettings, request: Any, body: bytes) -> tuple[PendingCall | None, bytes | None]:
+    """Decide whether to record `request`; returns (pending, new body or None if unchanged)."""
+    endpoint = _endpoint_of(request.url.path)
+    if endpoint is None or request.method != "POST":
+        return None, None
+    try:
+        payload = fastjson.loads(body) if body else None
+    except ValueError:
+        payload = None
+    if not isinstance(payload, dict):
+        return None, None
+    state = current_rollout()
+    header_rid = request.headers.get(ROLLOUT_HEADER)
+    if state is None and header_rid:
+        state = state_for_header(header_rid, settings.store)
+    return begin_call(settings, endpoint, payload, body, state, request.url.host,
+                      agent_name=request.headers.get(AGENT_HEADER) or current_agent(),
+                      attempt=attempt_of(request.headers))
+
+
+def attempt_of(headers: Any) -> int:
+    """Which attempt of a call this request is (the SDKs count their retries in a header)."""
+    try:
+        return int(headers.get("x-stainless-retry-count", "0")) + 1
+    except ValueError:
+        return 1
+
+
+def begin_call(settings: CaptureSettings, endpoint: str, payload: dict[str, Any], body: bytes,
+               state: RolloutState | None, host: str, *, agent_name: str | None = None,
+               attempt: int = 1) -> tuple[PendingCall | None, bytes | None]:
+    """Start recording one call whose body is already parsed: (pending, body to send instead, or None).
+
+    The recording transport enters here for every request it sees; the gateway, which
+    has parsed and routed the request itself, enters here directly. None: not recorded.
+    """
+    if state is None and not settings.record_unattached:
+        return None, None
+    additions = _additions(settings, endpoint, payload, state, host)
+    pending = PendingCall(
+        settings=settings, endpoint=endpoint, state=state,
+        call_index=state.next_call_index() if state is not None else settings._unattached_counter(),
+        attempt=attempt, agent_name=agent_name, body=body, payload=payload, added=frozenset(additions),
+    )
+    if endpoint == "responses":
+        _warn_once("responses", "Responses API calls are recorded but vLLM returns no token IDs there; "
+                   "use chat.completions for training (see docs)")
+    return pending, _splice(body, payload, additions) if additions else None
+
+
+def _additions(settings: CaptureSettings, endpoint: str, payload: dict[str, Any], state: RolloutState | None,
+               host: str) -> dict[str, Any]:
+    """The fields to add to the request body; the caller's own settings always win."""
+    if endpoint == "responses" or not settings.inject_token_ids or host in settings.no_inject_hosts:
+        return {}
+    out: dict[str, Any] = {}
+    if "return_token_ids" not in payload:
+        out["return_token_ids"] = True
+    training = state is not None and state.mode == "train"
+    if settings.inject_logprobs and training and "logprobs" not in payload:
+        # chat: a boolean; legacy completions: the number of top alternatives (0 = the chosen token only)
+        out["logprobs"] = True if endpoint == "chat.completions" else 0
+    return out
+
+
+def _splice(body: bytes, payload: dict[str, Any], additions: dict[str, Any]) -> bytes:
+    """Add top-level fields to a JSON object body without re-serialising it.
+
+    `payload` is the parsed body, so the body is known to be one JSON object and
+    the new keys known to be absent: inserting before its closing brace is exact.
+    """
+    extra = json.dumps(additions)[1:-1].encode()
+    if not payload:
+        return b"{" + extra + b"}"
+    end = body.rindex(b"}")
+    return body[:end] + b"," + extra + body[end:]
+
+
+def _policy_version_of(headers: Any) -> int | None:
+    value = None if headers is None else headers.get("x-lightning-policy-version")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None

@@ -1,0 +1,266 @@
+"""Rollout context: which rollout an LLM call belongs to.
+
+The current rollout lives in a ContextVar. Its state object is shared (not
+copied) by every asyncio task started inside the block, and holds a locked call
+counter, so `call_index` stays unique and in issue order across
+`asyncio.gather` children. Threads don't inherit ContextVars: use
+`propagate(fn)` (or a framework that copies the context, as LangChain does), or
+send the `x-rollout-id` header (see `rollout_headers()`), which the capture
+transport reads and removes before the request leaves the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from lightning_middleware.records import Mode, Reward, Rollout, RolloutStatus, new_id
+from lightning_middleware.store import TraceStore, get_store
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+ROLLOUT_HEADER = "x-rollout-id"
+AGENT_HEADER = "x-agent-name"
+
+
+class RolloutState:
+    """The mutable part of a rollout that its LLM calls share (internal)."""
+
+    def __init__(self, rollout_id: str, task_id: str | None, mode: str, store: TraceStore,
+                 policy_version: int | None = None) -> None:
+        self.id = rollout_id
+        self.task_id = task_id
+        self.mode = mode
+        self.store = store
+        self.policy_version = policy_version
+        self._counter = itertools.count()
+        self._lock = threading.Lock()
+
+    def next_call_index(self) -> int:
+        with self._lock:
+            return next(self._counter)
+
+    def continue_from(self, index: int) -> None:
+        """Number the next call `index` (a rollout reopened after a restart keeps its numbering)."""
+        with self._lock:
+            self._counter = itertools.count(index)
+
+
+_current: contextvars.ContextVar[RolloutState | None] = contextvars.ContextVar("lightning_rollout", default=None)
+_agent: contextvars.ContextVar[str | None] = contextvars.ContextVar("lightning_agent", default=None)
+
+# Rollouts open in this process, so a call that only carries the header still
+# gets the right counter and store.
+_active: dict[str, RolloutState] = {}
+_active_lock = threading.Lock()
+
+
+def current_rollout() -> RolloutState | None:
+    return _current.get()
+
+
+def current_agent() -> str | None:
+    return _agent.get()
+
+
+def set_current_agent(name: str | None) -> None:
+    """Name the agent for the calls made in this context from now on. For framework hooks that
+    see a start and an end event rather than a block; elsewhere use `agent_scope`."""
+    _agent.set(name)
+
+
+def state_for_header(rollout_id: str, fallback_store: TraceStore) -> RolloutState:
+    """The state of a rollout addressed by header; created if it was opened elsewhere."""
+    with _active_lock:
+        state = _active.get(rollout_id)
+        if state is None:
+            # Opened in another process (or already closed here): count from 0 in
+            # this process. Calls still sort by started_at within an index.
+            state = _active[rollout_id] = RolloutState(rollout_id, None, Mode.TRAIN.value, fallback_store)
+        return state
+
+
+def rollout_headers() -> dict[str, str]:
+    """Headers that attach a call to the current rollout from outside its context."""
+    state = _current.get()
+    return {} if state is None else {ROLLOUT_HEADER: state.id}
+
+
+class RolloutHandle:
+    """What `with rollout(...) as r` gives: the rollout's id and a way to reward it."""
+
+    def __init__(self, state: RolloutState) -> None:
+        self._state = state
+
+    @property
+    def id(self) -> str:
+        return self._state.id
+
+    @property
+    def task_id(self) -> str | None:
+        return self._state.task_id
+
+    def reward(self, value: float, *, name: str | None = None, final: bool = True,
+               metadata: dict[str, Any] | None = None) -> None:
+        """Record a reward; a final one (the default) becomes the rollout's training reward."""
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"reward must be a number, got {value!r}") from None
+        if value != value:  # NaN would poison a whole GRPO group
+            raise ValueError("reward is NaN")
+        self._state.store.submit_reward(Reward(
+            rollout_id=self._state.id, value=value, name=name, final=final,
+            created_at=time.time(), metadata=metadata or {},
+        ))
+
+    def __repr__(self) -> str:
+        return f"RolloutHandle(id={self.id!r}, task_id={self.task_id!r})"
+
+
+class _RolloutScope:
+    """`rollout(...)`: a context manager (sync and async) and a decorator."""
+
+    def __init__(self, task_id: str, *, input: Any, mode: str, metadata: dict[str, Any] | None,
+                 store: TraceStore | str | None, rollout_id: str | None, policy_version: int | None,
+                 flush_timeout: float) -> None:
+        if mode not in (Mode.TRAIN.value, Mode.VAL.value):
+            raise ValueError(f"mode must be 'train' or 'val', got {mode!r}")
+        if not isinstance(task_id, str) or not task_id:
+            raise ValueError(f"task_id must be a non-empty string, got {task_id!r}")
+        self._args = dict(task_id=task_id, input=input, mode=mode, metadata=metadata, store=store,
+                          rollout_id=rollout_id, policy_version=policy_version, flush_timeout=flush_timeout)
+        self._frames: list[tuple[RolloutState, contextvars.Token[RolloutState | None], float]] = []
+
+    # -- context manager -----------------------------------------------------
+    def __enter__(self) -> RolloutHandle:
+        a = self._args
+        store = get_store(a["store"])
+        state = RolloutState(a["rollout_id"] or new_id(), a["task_id"], a["mode"], store,
+                             a["policy_version"])
+        started = time.time()
+        store.submit_rollout(Rollout(
+            id=state.id, task_id=a["task_id"], mode=Mode(a["mode"]), status=RolloutStatus.RUNNING,
+            input=a["input"], metadata=a["metadata"] or {}, policy_version=a["policy_version"],
+            created_at=started,
+        ))
+        with _active_lock:
+            _active[state.id] = state
+        self._frames.append((state, _current.set(state), time.monotonic()))
+        return RolloutHandle(state)
+
+    def _leave(self, exc_type: type[BaseException] | None, exc: BaseException | None) -> RolloutState:
+        """Restore the outer context and submit the rollout's end; the caller flushes."""
+        state, token, t0 = self._frames.pop()
+        _current.reset(token)
+        with _active_lock:
+            _active.pop(state.id, None)
+        status, error = _outcome(exc_type, exc)
+        state.store.submit_rollout_end(state.id, status=status, ended_at=time.time(),
+                                       duration_s=time.monotonic() - t0, error=error)
+        return state
+
+    @staticmethod
+    def _warn_unflushed(state: RolloutState, ok: bool) -> None:
+        if not ok:
+            log.warning("rollout %s ended but its traces are not on disk yet (store unavailable?)", state.id)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: Any) -> None:
+        state = self._leave(exc_type, exc)
+        self._warn_unflushed(state, state.store.flush(self._args["flush_timeout"]))
+
+    async def __aenter__(self) -> RolloutHandle:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: Any) -> None:
+        state = self._leave(exc_type, exc)
+        # flush() may wait on the writer thread: keep the event loop free meanwhile.
+        self._warn_unflushed(state, await asyncio.to_thread(state.store.flush, self._args["flush_timeout"]))
+
+    # -- decorator -----------------------------------------------------------
+    def __call__(self, fn: F) -> F:
+        args = self._args
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def async_wrapper(*a: Any, **kw: Any) -> Any:
+                async with _RolloutScope(**args):
+                    return await fn(*a, **kw)
+            return async_wrapper  # type: ignore[return-value]
+
+        @functools.wraps(fn)
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            with _RolloutScope(**args):
+                return fn(*a, **kw)
+        return wrapper  # type: ignore[return-value]
+
+
+def _outcome(exc_type: type[BaseException] | None, exc: BaseException | None) -> tuple[str, str | None]:
+    if exc_type is None:
+        return RolloutStatus.SUCCEEDED.value, None
+    text = f"{exc_type.__name__}: {exc}" if str(exc) else exc_type.__name__
+    if issubclass(exc_type, (TimeoutError, asyncio.TimeoutError)):
+        return RolloutStatus.TIMEOUT.value, text
+    return RolloutStatus.FAILED.value, text
+
+
+def rollout(task_id: str, *, input: Any = None, mode: str = "train", metadata: dict[str, Any] | None = None,
+            store: TraceStore | str | None = None, rollout_id: str | None = None,
+            policy_version: int | None = None, flush_timeout: float = 10.0) -> _RolloutScope:
+    """Open a rollout of `task_id`: every LLM call made inside is recorded under it.
+
+    Use as `with rollout("task-7") as r:`, `async with ...`, or `@rollout("task-7")`.
+    Rollouts sharing a task_id form one GRPO group. Leaving the block marks the
+    rollout succeeded, or failed (timeout for TimeoutError) with the exception
+    text, records its duration, and flushes its traces to the store.
+    """
+    return _RolloutScope(task_id, input=input, mode=mode, metadata=metadata, store=store,
+                         rollout_id=rollout_id, policy_version=policy_version, flush_timeout=flush_timeout)
+
+
+def emit_reward(value: float, *, name: str | None = None, final: bool = True,
+                metadata: dict[str, Any] | None = None) -> None:
+    """Reward the current rollout from anywhere inside it."""
+    state = _current.get()
+    if state is None:
+        raise RuntimeError("emit_reward() called outside a rollout: wrap the agent run in `with rollout(...)`")
+    RolloutHandle(state).reward(value, name=name, final=final, metadata=metadata)
+
+
+class agent_scope:
+    """Name the agent making the calls inside (multi-agent training keeps them apart)."""
+
+    def __init__(self, name: str | None) -> None:
+        self._name = name
+        self._tokens: list[contextvars.Token[str | None]] = []
+
+    def __enter__(self) -> None:
+        self._tokens.append(_agent.set(self._name))
+
+    def __exit__(self, *_exc: Any) -> None:
+        _agent.reset(self._tokens.pop())
+
+    async def __aenter__(self) -> None:
+        self.__enter__()
+
+    async def __aexit__(self, *_exc: Any) -> None:
+        self.__exit__()
+
+
+def propagate(fn: F) -> F:
+    """Bind `fn` to the current context, for `ThreadPoolExecutor.submit(propagate(fn), ...)`."""
+    ctx = contextvars.copy_context()
+
+    @functools.wraps(fn)
+    def run(*a: Any, **kw: Any) -> Any:
+        return ctx.copy().run(fn, *a, **kw)
+    return run  # type: ignore[return-value]

@@ -1,0 +1,261 @@
+"""The capture transport: one recording mechanism for every framework.
+
+Every supported framework sends its LLM requests through an httpx-style client
+(`httpx`, or `httpx2` for openai 3.x). `install()` puts a `RecordingTransport`
+in front of that client's transport. For each chat/completions request it:
+
+1. adds `return_token_ids: true` (and `logprobs: true` for training rollouts)
+   unless the caller set them, asks for an uncompressed body, and removes our
+   routing headers (`x-rollout-id`, `x-agent-name`);
+2. forwards the request, and hands back the response with its body stream
+   teed: bytes flow to the caller as they arrive and are kept aside;
+3. when the body ends or is closed, hands the attempt to the store's
+   background writer, whose thread parses the kept bytes into one `LLMCall`
+   (text, tool calls, token IDs, logprobs, finish reason). The agent's thread
+   pays for an append per chunk, never for parsing or disk, and nothing here
+   raises into the agent.
+
+If a server rejects the extra fields with a 400, the request is resent once as
+the caller wrote it and injection stops for that host: recording must never be
+why an agent's call fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from lightning_middleware.capture.assembly import BodyRewriter, EventRewriter
+from lightning_middleware.capture.calls import ROUTING_HEADERS, CaptureSettings, PendingCall, begin_request
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------
+# Transports, built once per HTTP module (httpx, httpx2): same shapes, different classes.
+# --------------------------------------------------------------------------
+
+@functools.cache
+def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
+    """(sync transport class, async transport class) for an httpx-like module."""
+
+    class TeeStream(module.SyncByteStream):  # type: ignore[name-defined]
+        """Passes the body on as it arrives, keeping each original chunk for the record.
+
+        With a rewriter, what the caller gets has our injected fields removed.
+        """
+
+        def __init__(self, inner: Any, chunks: list[bytes], on_close: Any, rewriter: Any) -> None:
+            self._inner, self._chunks, self._on_close, self._rw = inner, chunks, on_close, rewriter
+
+        def __iter__(self) -> Iterator[bytes]:
+            rw = self._rw
+            for chunk in self._inner:
+                self._chunks.append(chunk)
+                out = chunk if rw is None else rw.feed(chunk)
+                if out:
+                    yield out
+            if rw is not None and (tail := rw.finish()):
+                yield tail
+
+        def close(self) -> None:
+            try:
+                self._inner.close()
+            finally:
+                self._on_close()
+
+    class AsyncTeeStream(module.AsyncByteStream):  # type: ignore[name-defined]
+        def __init__(self, inner: Any, chunks: list[bytes], on_close: Any, rewriter: Any) -> None:
+            self._inner, self._chunks, self._on_close, self._rw = inner, chunks, on_close, rewriter
+
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            rw = self._rw
+            async for chunk in self._inner:
+                self._chunks.append(chunk)
+                out = chunk if rw is None else rw.feed(chunk)
+                if out:
+                    yield out
+            if rw is not None and (tail := rw.finish()):
+                yield tail
+
+        async def aclose(self) -> None:
+            try:
+                await self._inner.aclose()
+            finally:
+                self._on_close()
+
+    def set_body(request: Any, body: bytes) -> None:
+        request.stream = module.ByteStream(body)
+        request._content = body
+        request.headers["content-length"] = str(len(body))
+
+    def prepare(request: Any, new_body: bytes | None) -> None:
+        """Edit the outgoing request in place: cheaper than building a new one.
+
+        The SDKs build a fresh request for every attempt, so nothing else sees it.
+        """
+        strip_routing_headers(request)
+        request.headers["accept-encoding"] = "identity"  # so the tee sees plain bytes
+        if new_body is not None:
+            set_body(request, new_body)
+
+    def start(settings: CaptureSettings, request: Any, body: bytes) -> PendingCall | None:
+        """Begin recording `request` and edit it for sending; None: forward it unrecorded."""
+        try:
+            pending, new_body = begin_request(settings, request, body)
+            if pending is not None:
+                prepare(request, new_body)
+            else:
+                strip_routing_headers(request)
+            return pending
+        except Exception:
+            log.exception("capture failed before sending; forwarding unrecorded")
+            return None
+
+    def tee(response: Any, pending: PendingCall, tee_cls: type) -> Any:
+        chunks: list[bytes] = []
+
+        def on_close() -> None:
+            pending.finish(status_code=response.status_code, chunks=chunks, headers=response.headers)
+
+        try:
+            response.stream = tee_cls(response.stream, chunks, on_close, rewriter_for(response, pending))
+        except Exception as exc:  # hand back the untouched response rather than fail the call
+            log.exception("could not tee a response; the call is recorded without its body")
+            pending.finish(status_code=response.status_code, headers=response.headers, error=f"recorder: {exc}")
+        return response
+
+    def rewriter_for(response: Any, pending: PendingCall) -> Any:
+        """What removes our injected fields from the caller's copy, if anything needs to."""
+        if not (pending.added and pending.settings.strip_added and 200 <= response.status_code < 300):
+            return None
+        if response.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
+            return None
+        content_type = response.headers.get("content-type", "")
+        if "text/event-stream" in content_type:
+            return EventRewriter(pending.added)
+        if "json" in content_type:
+            response.headers.pop("content-length", None)  # the caller's body is shorter now
+            return BodyRewriter(pending.added)
+        return None
+
+    def rejected_injection(pending: PendingCall, request: Any, response: Any) -> bool:
+        """A 400 to a request we changed: resend it as the caller wrote it, and stop changing that host's."""
+        if not pending.rejected(response.status_code, request.url.host):
+            return False
+        set_body(request, pending.body)
+        return True
+
+    class RecordingTransport(module.BaseTransport):  # type: ignore[name-defined]
+        def __init__(self, inner: Any, settings: CaptureSettings) -> None:
+            self.inner = inner
+            self.settings = settings
+
+        def handle_request(self, request: Any) -> Any:
+            pending = start(self.settings, request, request.read())
+            if pending is None:
+                return self.inner.handle_request(request)
+            try:
+                response = self.inner.handle_request(request)
+                if rejected_injection(pending, request, response):
+                    response.close()
+                    response = self.inner.handle_request(request)
+            except Exception as exc:
+                pending.finish(error=f"{type(exc).__name__}: {exc}")
+                raise
+            return tee(response, pending, TeeStream)
+
+        def close(self) -> None:
+            self.inner.close()
+
+    class AsyncRecordingTransport(module.AsyncBaseTransport):  # type: ignore[name-defined]
+        def __init__(self, inner: Any, settings: CaptureSettings) -> None:
+            self.inner = inner
+            self.settings = settings
+
+        async def handle_async_request(self, request: Any) -> Any:
+            pending = start(self.settings, request, await request.aread())
+            if pending is None:
+                return await self.inner.handle_async_request(request)
+            try:
+                response = await self.inner.handle_async_request(request)
+                if rejected_injection(pending, request, response):
+                    await response.aclose()
+                    response = await self.inner.handle_async_request(request)
+            except BaseException as exc:  # CancelledError too: the attempt is recorded as failed
+                pending.finish(error=f"{type(exc).__name__}: {exc}")
+                raise
+            return tee(response, pending, AsyncTeeStream)
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
+    return RecordingTransport, AsyncRecordingTransport
+
+
+def strip_routing_headers(request: Any) -> None:
+    """Our routing headers never leave the process."""
+    for name in ROUTING_HEADERS:
+        if name in request.headers:
+            del request.headers[name]
+
+
+# --------------------------------------------------------------------------
+# Installing on an HTTP client
+# --------------------------------------------------------------------------
+
+def _http_module(client: Any) -> types.ModuleType | None:
+    import sys
+
+    for name in ("httpx2", "httpx"):
+        mod = sys.modules.get(name)
+        if mod is not None and isinstance(client, (mod.Client, mod.AsyncClient)):
+            return mod
+    return None
+
+
+def is_http_client(obj: Any) -> bool:
+    return _http_module(obj) is not None
+
+
+def install(client: Any, settings: CaptureSettings) -> bool:
+    """Put a recording transport in front of an httpx/httpx2 client's transports.
+
+    Idempotent: an already-recording transport gets the new settings' store only
+    if it was given explicitly (handled by the caller) and is otherwise left as
+    it is. Returns True if something was installed now.
+    """
+    module = _http_module(client)
+    if module is None:
+        raise TypeError(f"not an httpx or httpx2 client: {type(client).__name__}")
+    sync_cls, async_cls = transport_classes(module)
+    cls = async_cls if isinstance(client, module.AsyncClient) else sync_cls
+    installed = False
+    current: Any = client._transport
+    if isinstance(current, cls):
+        current.settings = settings
+    else:
+        client._transport = cls(client._transport, settings)
+        installed = True
+    for pattern, mounted in list(client._mounts.items()):  # proxies: each mount is a transport too
+        if mounted is None:
+            continue
+        if isinstance(mounted, cls):
+            mounted_: Any = mounted
+            mounted_.settings = settings
+        else:
+            client._mounts[pattern] = cls(mounted, settings)
+            installed = True
+    return installed
+
+
+def installed_settings(client: Any) -> CaptureSettings | None:
+    module = _http_module(client)
+    if module is None:
+        return None
+    sync_cls, async_cls = transport_classes(module)
+    t: Any = client._transport
+    return t.settings if isinstance(t, (sync_cls, async_cls)) else None

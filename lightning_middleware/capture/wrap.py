@@ -1,0 +1,75 @@
+"""`wrap(client)`: the one line an agent adds.
+
+For an `openai.OpenAI` / `AsyncOpenAI` (or a bare httpx/httpx2 client) the
+recording transport goes straight onto the HTTP client that sends. Anything
+else is handed to `adapters`, which know where each framework keeps that client.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, TypeVar
+
+from lightning_middleware.capture.calls import CaptureSettings
+from lightning_middleware.capture.transport import install, installed_settings, is_http_client
+from lightning_middleware.store import TraceStore, get_store
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+def http_clients_of(obj: Any) -> list[Any]:
+    """The httpx/httpx2 clients through which `obj` sends its LLM requests."""
+    if is_http_client(obj):
+        return [obj]
+    inner = getattr(obj, "_client", None)
+    if is_http_client(inner) and hasattr(obj, "chat"):  # openai.OpenAI / AsyncOpenAI and compatibles
+        return [inner]
+    from adapters import resolve  # lazy: adapters import their frameworks lazily too
+
+    found = resolve(obj)
+    if found is None:
+        raise TypeError(
+            f"wrap() does not know how to record {type(obj).__module__}.{type(obj).__qualname__}: pass an "
+            "openai OpenAI/AsyncOpenAI client, an httpx client, or a supported framework object "
+            "(LangChain ChatOpenAI, AutoGen OpenAIChatCompletionClient, Agents SDK model, litellm)"
+        )
+    return found
+
+
+def wrap(client: T, *, store: TraceStore | str | None = None, record_unattached: bool | None = None,
+         inject_token_ids: bool = True) -> T:
+    """Record every LLM call `client` makes; returns the same object, instrumented in place.
+
+    Wrapping twice is harmless (the second call only updates the settings you pass).
+    The store is opened here, so a bad store URL fails now, not inside an LLM call.
+    """
+    targets = http_clients_of(client)
+    # Adapters of frameworks already imported add their process-wide hooks (agent
+    # names, rebuilt objects): also needed when a plain openai client is wrapped and
+    # then handed to a framework (Agents SDK `set_default_openai_client`).
+    from adapters import prepare
+
+    prepare()
+    if not targets:
+        raise TypeError(f"found no HTTP client to record in {type(client).__qualname__}")
+    for http_client in targets:
+        previous = installed_settings(http_client)
+        settings = CaptureSettings(
+            store=get_store(store) if (store is not None or previous is None) else previous.store,
+            record_unattached=(record_unattached if record_unattached is not None else
+                               previous.record_unattached if previous is not None else
+                               _env_flag("LIGHTNING_RECORD_UNATTACHED", True)),
+            inject_token_ids=inject_token_ids,
+        )
+        if previous is not None:
+            settings.no_inject_hosts = previous.no_inject_hosts
+        install(http_client, settings)
+    return client

@@ -1,0 +1,99 @@
+"""`lightning-mw rollouts run|eval|metrics|reap`."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+from lightning_middleware.controller.evaluation import Evaluator, format_history, format_metrics
+from lightning_middleware.controller.jobs import RetryPolicy
+from lightning_middleware.controller.rollout_controller import RolloutController, reap_stale
+from lightning_middleware.store import open_store
+
+
+def add_cli(sub: Any) -> None:
+    p = sub.add_parser("rollouts", help="run an agent over a task set, evaluate, reap stale rollouts")
+    cmds = p.add_subparsers(dest="rollouts_command", metavar="ACTION")
+
+    def common(q: Any) -> None:
+        q.add_argument("--agent", required=True, help="the agent function, as package.module:function")
+        q.add_argument("--tasks", required=True, help="JSONL file, one task (a JSON object) per line")
+        q.add_argument("--store", default=None,
+                       help="store URL (default: env LIGHTNING_STORE_URL or ./lightning_traces.db)")
+        q.add_argument("--backend", default="auto", choices=["auto", "asyncio", "thread", "process", "ray"])
+        q.add_argument("--concurrency", type=int, default=8)
+        q.add_argument("--timeout", type=float, default=None, help="per-rollout timeout, seconds")
+        q.add_argument("--retries", type=int, default=2, help="extra attempts after an infrastructure error")
+        q.add_argument("--workers", type=int, default=None, help="worker processes / Ray actors")
+        q.add_argument("--ray-address", default=None, help="existing Ray cluster (default: start a local runtime)")
+
+    r = cmds.add_parser("run", help="n samples per task (mode train or val)")
+    common(r)
+    r.add_argument("-n", type=int, default=1, help="samples per task (the GRPO group size)")
+    r.add_argument("--mode", default="train", choices=["train", "val"])
+    r.set_defaults(func=_cli_run)
+
+    e = cmds.add_parser("eval", help="mode=val rollouts on a held-out task set; metrics stored and shown")
+    common(e)
+    e.add_argument("-n", type=int, default=1)
+    e.add_argument("--step", type=int, default=None, help="training step this evaluation belongs to")
+    e.add_argument("--name", default="val")
+    e.add_argument("--success-threshold", type=float, default=1.0)
+    e.set_defaults(func=_cli_eval)
+
+    m = cmds.add_parser("metrics", help="show stored evaluation results")
+    m.add_argument("--store", default=None)
+    m.add_argument("--name", default=None)
+    m.set_defaults(func=_cli_metrics)
+
+    k = cmds.add_parser("reap", help="end running rollouts whose lease heartbeat is older than --older-than")
+    k.add_argument("--store", default=None)
+    k.add_argument("--older-than", type=float, default=300.0, help="seconds")
+    k.add_argument("--include-unleased", action="store_true",
+                   help="also end running rollouts without a lease created before the cutoff")
+    k.set_defaults(func=_cli_reap)
+    p.set_defaults(func=lambda _a: (p.print_help(), 2)[1])
+
+
+def _controller_from(args: Any) -> RolloutController:
+    sys.path.insert(0, os.getcwd())
+    return RolloutController(args.agent, store=args.store, backend=args.backend, concurrency=args.concurrency,
+                             timeout_s=args.timeout, retry=RetryPolicy(max_attempts=1 + max(0, args.retries)),
+                             workers=args.workers, ray_address=args.ray_address)
+
+
+def _cli_run(args: Any) -> int:
+    t0 = time.monotonic()
+    with _controller_from(args) as c:
+        results = c.run(args.tasks, n=args.n, mode=args.mode)
+    wall = time.monotonic() - t0
+    by: dict[str, int] = {}
+    for res in results:
+        by[res.status] = by.get(res.status, 0) + 1
+    rewards = [res.reward for res in results if res.reward is not None]
+    mean = sum(rewards) / len(rewards) if rewards else float("nan")
+    print(f"{len(results)} rollouts in {wall:.1f}s ({len(results) / max(wall, 1e-9):.1f}/s): "
+          + ", ".join(f"{k}={v}" for k, v in sorted(by.items()))
+          + f"; mean reward {mean:.3f}; retried {c.stats.retried}; max in flight {c.stats.max_in_flight}")
+    return 0 if by.get("succeeded", 0) == len(results) else 1
+
+
+def _cli_eval(args: Any) -> int:
+    with _controller_from(args) as c:
+        ev = Evaluator(c, args.tasks, n=args.n, name=args.name, success_threshold=args.success_threshold)
+        result = ev.evaluate(step=args.step)
+    print(format_metrics(result.metrics))
+    return 0
+
+
+def _cli_metrics(args: Any) -> int:
+    print(format_history(open_store(args.store).eval_results(args.name)))
+    return 0
+
+
+def _cli_reap(args: Any) -> int:
+    ended = reap_stale(open_store(args.store), args.older_than, include_unleased=args.include_unleased)
+    print(f"ended {len(ended)} stale rollouts" + (": " + ", ".join(ended) if ended else ""))
+    return 0

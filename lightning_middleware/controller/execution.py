@@ -1,0 +1,156 @@
+"""Running one rollout job: the agent inside `rollout(...)`, its return value as the reward,
+timeouts, and an outcome that never raises for an agent error. Every backend calls these, in
+whatever process runs the job."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lightning_middleware.capture import RolloutHandle, rollout
+from lightning_middleware.controller.jobs import RolloutJob, RolloutOutcome, type_names
+from lightning_middleware.records import RolloutStatus
+from lightning_middleware.store import TraceStore, get_store
+
+AgentFn = Callable[[dict[str, Any]], Any]
+
+
+class _Deadline(BaseException):
+    """Raised by SIGALRM in a worker's main thread; BaseException so HTTP stacks don't swallow it."""
+
+
+def _apply_return(handle: RolloutHandle, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, (int, float)):
+        handle.reward(float(value))
+        return float(value)
+    if isinstance(value, dict) and "reward" in value:
+        reward = value["reward"]
+        meta = {k: v for k, v in value.items() if k != "reward"}
+        handle.reward(reward, metadata=meta or None)
+        return float(reward)
+    raise TypeError(f"agent must return a reward (number), a dict with 'reward', or None; got {type(value).__name__}")
+
+
+def failure(exc: BaseException, t0: float, worker: str | None) -> RolloutOutcome:
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    status = RolloutStatus.TIMEOUT.value if isinstance(exc, TimeoutError) else RolloutStatus.FAILED.value
+    return RolloutOutcome(status=status, error=text, error_types=tuple(type_names(type(exc))),
+                          duration_s=time.monotonic() - t0, worker=worker)
+
+
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _final_reward(store: TraceStore, rollout_id: str) -> float | None:
+    found = store.get_rollout(rollout_id)
+    return None if found is None else found.final_reward
+
+
+def _scope(job: RolloutJob, store: TraceStore) -> Any:
+    return rollout(job.task_id, input=job.task, mode=job.mode, metadata=job.metadata, store=store,
+                   rollout_id=job.rollout_id, policy_version=job.policy_version)
+
+
+def execute_job(agent: AgentFn, job: RolloutJob, store: TraceStore | None = None) -> RolloutOutcome:
+    """Run a sync (or async, via asyncio.run) agent for one job in this thread.
+
+    The timeout is enforced with SIGALRM when this is a process's main thread
+    (worker processes); elsewhere (a thread pool) the agent can't be interrupted:
+    the controller ends the rollout at the deadline and the late result is
+    recorded as a timeout.
+    """
+    if inspect.iscoroutinefunction(agent):
+        return asyncio.run(aexecute_job(agent, job, store))
+    store = store or get_store(job.store_url)
+    t0 = time.monotonic()
+    deadline = None if job.timeout_s is None else t0 + job.timeout_s
+    alarm_s = job.timeout_s if (hasattr(signal, "setitimer")
+                                and threading.current_thread() is threading.main_thread()) else None
+    use_alarm = alarm_s is not None
+    reward: float | None = None
+    try:
+        with _scope(job, store) as handle:
+            old = None
+            if use_alarm:
+                def _on_alarm(_sig: int, _frame: Any) -> None:
+                    raise _Deadline()
+                old = signal.signal(signal.SIGALRM, _on_alarm)
+                signal.setitimer(signal.ITIMER_REAL, alarm_s or 0.0)
+            try:
+                value = agent(job.task)
+            except _Deadline:
+                raise TimeoutError(f"rollout exceeded its {job.timeout_s:g}s timeout") from None
+            finally:
+                if use_alarm:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                    signal.signal(signal.SIGALRM, old)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"rollout exceeded its {job.timeout_s:g}s timeout")
+            reward = _apply_return(handle, value)
+    except _Deadline:  # the alarm fired between the agent's return and disarming
+        return failure(TimeoutError(f"rollout exceeded its {job.timeout_s:g}s timeout"), t0, worker_name())
+    except Exception as exc:
+        return failure(exc, t0, worker_name())
+    if reward is None:
+        reward = _final_reward(store, job.rollout_id)
+    return RolloutOutcome(status=RolloutStatus.SUCCEEDED.value, reward=reward,
+                          duration_s=time.monotonic() - t0, worker=worker_name())
+
+
+async def aexecute_job(agent: AgentFn, job: RolloutJob, store: TraceStore | None = None) -> RolloutOutcome:
+    """Run an async agent for one job; the timeout cancels it (the rollout ends as timeout)."""
+    store = store or get_store(job.store_url)
+    t0 = time.monotonic()
+    reward: float | None = None
+    try:
+        async with _scope(job, store) as handle:
+            try:
+                value = await asyncio.wait_for(agent(job.task), job.timeout_s)
+            except asyncio.TimeoutError:
+                if time.monotonic() - t0 >= (job.timeout_s or 0.0):
+                    raise TimeoutError(f"rollout exceeded its {job.timeout_s:g}s timeout") from None
+                raise
+            reward = _apply_return(handle, value)
+    except Exception as exc:
+        return failure(exc, t0, worker_name())
+    if reward is None:
+        reward = await asyncio.to_thread(_final_reward, store, job.rollout_id)
+    return RolloutOutcome(status=RolloutStatus.SUCCEEDED.value, reward=reward,
+                          duration_s=time.monotonic() - t0, worker=worker_name())
+
+
+def resolve_agent(agent: AgentFn | str) -> AgentFn:
+    """An agent function, or "package.module:function"."""
+    if callable(agent):
+        return agent
+    if not isinstance(agent, str) or ":" not in agent:
+        raise ValueError(f"agent must be a callable or 'module:function', got {agent!r}")
+    mod, _, name = agent.partition(":")
+    fn: Any = importlib.import_module(mod)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise TypeError(f"{agent} is not callable")
+    return fn
+
+
+def no_running_loop(name: str) -> None:
+    """Refuse a blocking call from inside a running event loop, naming its async twin."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(f"RolloutController.{name}() blocks; inside an event loop use `await a{name}(...)`")

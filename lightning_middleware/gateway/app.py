@@ -1,0 +1,155 @@
+"""The gateway's ASGI app: the two proxy routes served raw (every LLM call takes them), the
+rollout, admin, health and models routes by a Starlette router."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+from lightning_middleware.gateway.errors import HTTPError, error_reply
+from lightning_middleware.gateway.requests import parse_object, proxy_route, receive_body
+from lightning_middleware.gateway.responses import Receive, Scope, Send
+from lightning_middleware.records import Rollout, RolloutStatus
+
+if TYPE_CHECKING:  # the gateway builds its app: a type-only import keeps the arrow one-way
+    from starlette.applications import Starlette
+
+    from lightning_middleware.gateway.service import Gateway
+
+
+class GatewayApp:
+    """The gateway's ASGI app. The two proxy routes, which every LLM call takes, are served
+    straight from here; the rest (rollouts, admin, health, models) by a Starlette router."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self._routes = build_routes(gateway)
+        self.state = self._routes.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            route = proxy_route(scope["path"])
+            if route is not None:
+                if scope["method"] == "POST":
+                    await self.gateway.serve_proxy(scope, receive, send, *route)
+                else:
+                    await HTTPError(405, f"method {scope['method']} not allowed on {scope['path']}",
+                                     code="method_not_allowed").reply()(scope, receive, send)
+                return
+        await self._routes(scope, receive, send)
+
+
+def build_routes(gw: Gateway) -> Starlette:
+    """The Starlette app for everything but the proxy routes: rollouts, admin, health, models."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    def endpoint(fn: Any, *, auth: bool = True) -> Any:
+        async def handler(request: Request) -> Any:
+            try:
+                if auth:
+                    gw.check_auth(request.headers.get("authorization", ""))
+                return await fn(request)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
+                return error_reply(exc, request.method, request.url.path)
+        return handler
+
+    async def json_body(request: Request, *, optional: bool = False) -> dict[str, Any]:
+        raw = await receive_body(request.receive, request.headers, gw.max_body_bytes)
+        if not raw.strip() and optional:
+            return {}
+        return parse_object(raw)
+
+    def rollout_json(r: Rollout, request: Request) -> dict[str, Any]:
+        d = {k: v for k, v in r.__dict__.items()}
+        d["base_url"] = str(request.base_url).rstrip("/") + f"/rollouts/{r.id}/v1"
+        return d
+
+    async def models(request: Request) -> Any:
+        rid = request.path_params.get("rid")
+        if rid:
+            await gw.rollouts.entry(rid, for_call=False)
+        return await gw.forwarder.get("models")
+
+    async def create(request: Request) -> Any:
+        stored, created = await gw.rollouts.create(await json_body(request), gw.policy_version)
+        return JSONResponse({**rollout_json(stored, request), "created": created}, status_code=201 if created else 200)
+
+    async def get_rollout(request: Request) -> Any:
+        rid = request.path_params["rid"]
+        stored = await asyncio.to_thread(gw.store.get_rollout, rid)
+        if stored is None:
+            raise HTTPError(404, f"no rollout {rid!r}", code="rollout_not_found")
+        return JSONResponse({**rollout_json(stored, request), "in_flight": gw.rollouts.in_flight(rid)})
+
+    async def reward(request: Request) -> Any:
+        r = await gw.rollouts.add_reward(request.path_params["rid"], await json_body(request))
+        return JSONResponse({"rollout_id": r.rollout_id, "value": r.value, "name": r.name, "final": r.final})
+
+    async def finish(request: Request) -> Any:
+        done = await gw.rollouts.finish(request.path_params["rid"], await json_body(request, optional=True),
+                                       default_status=RolloutStatus.SUCCEEDED.value)
+        return JSONResponse(rollout_json(done, request))
+
+    async def fail(request: Request) -> Any:
+        done = await gw.rollouts.finish(request.path_params["rid"], await json_body(request, optional=True),
+                                       default_status=RolloutStatus.FAILED.value)
+        return JSONResponse(rollout_json(done, request))
+
+    async def pause(request: Request) -> Any:
+        body = await json_body(request, optional=True)
+        timeout = body.get("timeout", 60.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise HTTPError(400, "timeout must be a non-negative number of seconds")
+        return JSONResponse(await gw.apause(wait=bool(body.get("wait", True)), timeout=float(timeout),
+                                            mode=body.get("mode")))
+
+    async def resume(request: Request) -> Any:
+        body = await json_body(request, optional=True)
+        pv = body.get("policy_version")
+        if pv is not None and (isinstance(pv, bool) or not isinstance(pv, int)):
+            raise HTTPError(400, "policy_version must be an integer")
+        return JSONResponse(await gw.aresume(policy_version=pv))
+
+    async def state(_request: Request) -> Any:
+        return JSONResponse(gw.snapshot())
+
+    async def health(_request: Request) -> Any:
+        return JSONResponse({"ok": True, "paused": gw.gate.paused,
+                             "healthy_upstreams": sum(u.healthy for u in gw.upstreams)})
+
+    async def not_found(request: Request, _exc: Exception) -> Any:
+        err = HTTPError(404, f"no route {request.method} {request.url.path}", code="not_found")
+        return err.reply()
+
+    async def bad_method(request: Request, _exc: Exception) -> Any:
+        err = HTTPError(405, f"method {request.method} not allowed on {request.url.path}", code="method_not_allowed")
+        return err.reply()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> Any:
+        await gw.startup()
+        try:
+            yield
+        finally:
+            await gw.shutdown()
+
+    routes = [
+        Route("/health", endpoint(health, auth=False), methods=["GET"]),
+        Route("/v1/models", endpoint(models), methods=["GET"]),
+        Route("/rollouts", endpoint(create), methods=["POST"]),
+        Route("/rollouts/{rid}", endpoint(get_rollout), methods=["GET"]),
+        Route("/rollouts/{rid}/reward", endpoint(reward), methods=["POST"]),
+        Route("/rollouts/{rid}/finish", endpoint(finish), methods=["POST"]),
+        Route("/rollouts/{rid}/fail", endpoint(fail), methods=["POST"]),
+        Route("/rollouts/{rid}/v1/models", endpoint(models), methods=["GET"]),
+        Route("/admin/pause", endpoint(pause), methods=["POST"]),
+        Route("/admin/resume", endpoint(resume), methods=["POST"]),
+        Route("/admin/state", endpoint(state), methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: bad_method})
+    app.state.gateway = gw
+    return app

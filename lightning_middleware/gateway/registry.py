@@ -1,0 +1,159 @@
+"""Rollouts opened over HTTP: created (idempotent on a client-supplied id), their calls counted,
+rewarded, and finished once their calls in flight have landed in the store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_middleware.capture import RolloutState
+from lightning_middleware.gateway.errors import HTTPError
+from lightning_middleware.gateway.requests import ID_RE
+from lightning_middleware.records import Mode, Reward, Rollout, RolloutStatus
+from lightning_middleware.store import TraceStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutEntry:
+    """An open rollout: its capture state and the calls it has in flight."""
+
+    state: RolloutState
+    finished: bool = False
+    in_flight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight <= 0:
+            self.in_flight = 0
+            self.idle.set()
+
+
+class RolloutRegistry:
+    """The rollouts this gateway has open (finished ones are forgotten; the store keeps them)."""
+
+    def __init__(self, store: TraceStore, *, finish_wait_s: float = 600.0) -> None:
+        self.store = store
+        self.finish_wait_s = finish_wait_s
+        self._open: dict[str, RolloutEntry] = {}
+
+    def open_count(self) -> int:
+        return sum(not e.finished for e in self._open.values())
+
+    def in_flight(self, rollout_id: str) -> int:
+        entry = self._open.get(rollout_id)
+        return entry.in_flight if entry is not None else 0
+
+    async def entry(self, rollout_id: str, *, for_call: bool) -> RolloutEntry:
+        """The open rollout a call or request names (loaded from the store after a restart)."""
+        entry = self._open.get(rollout_id)
+        if entry is None:
+            if not ID_RE.match(rollout_id):
+                raise HTTPError(400, "rollout ids are 1-64 characters of A-Z a-z 0-9 . _ : -", code="bad_rollout_id")
+            stored = await asyncio.to_thread(self.store.get_rollout, rollout_id)
+            if stored is None:
+                raise HTTPError(404, f"no rollout {rollout_id!r}: create it first with POST /rollouts",
+                                 code="rollout_not_found")
+            entry = self._open.get(rollout_id)  # created meanwhile?
+            if entry is None:
+                state = RolloutState(stored.id, stored.task_id, stored.mode, self.store, stored.policy_version)
+                if stored.status == RolloutStatus.RUNNING.value:
+                    # Opened before a restart or by another gateway: continue its call numbering.
+                    calls = await asyncio.to_thread(self.store.calls, rollout_id)
+                    start = max((c.call_index for c in calls), default=-1) + 1
+                    state.continue_from(start)
+                entry = RolloutEntry(state, finished=stored.status != RolloutStatus.RUNNING.value)
+                entry.idle.set()
+                if not entry.finished:
+                    self._open[rollout_id] = entry
+        if for_call and entry.finished:
+            raise HTTPError(409, f"rollout {rollout_id!r} is finished; it takes no more calls", code="rollout_finished")
+        return entry
+
+    async def create(self, body: dict[str, Any], policy_version: int | None) -> tuple[Rollout, bool]:
+        task_id = body.get("task_id")
+        if not isinstance(task_id, str) or not task_id or len(task_id) > 255:
+            raise HTTPError(400, "task_id (a non-empty string, at most 255 characters) is required", code="bad_task_id")
+        rid = body.get("id") if body.get("id") is not None else body.get("rollout_id")
+        if rid is None:
+            rid = uuid.uuid4().hex
+        if not isinstance(rid, str) or not ID_RE.match(rid):
+            raise HTTPError(400, "id must be 1-64 characters of A-Z a-z 0-9 . _ : -", code="bad_rollout_id")
+        mode = body.get("mode", Mode.TRAIN.value)
+        if mode not in (Mode.TRAIN.value, Mode.VAL.value):
+            raise HTTPError(400, f"mode must be 'train' or 'val', got {mode!r}", code="bad_mode")
+        metadata = body.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise HTTPError(400, "metadata must be an object", code="bad_metadata")
+        rollout = Rollout(id=rid, task_id=task_id, mode=mode, input=body.get("input"), metadata=metadata,
+                          policy_version=policy_version, created_at=time.time())
+        stored, created = await asyncio.to_thread(self.store.create_rollout, rollout)
+        if not created and (stored.task_id != task_id or stored.mode != mode):
+            raise HTTPError(409, f"rollout {rid!r} exists with task_id={stored.task_id!r} mode={stored.mode.value!r}",
+                             code="rollout_conflict")
+        if created:
+            entry = RolloutEntry(RolloutState(rid, task_id, mode, self.store, policy_version))
+            entry.idle.set()
+            self._open[rid] = entry
+        return stored, created
+
+    async def add_reward(self, rollout_id: str, body: dict[str, Any]) -> Reward:
+        entry = await self.entry(rollout_id, for_call=False)
+        if entry.finished:
+            raise HTTPError(409, f"rollout {rollout_id!r} is finished; send the reward before finishing it",
+                             code="rollout_finished")
+        reward = reward_from(rollout_id, body)
+        await asyncio.to_thread(self.store.add_reward, reward)
+        return reward
+
+    async def finish(self, rollout_id: str, body: dict[str, Any], *, default_status: str) -> Rollout:
+        status = body.get("status", default_status)
+        if status not in (RolloutStatus.SUCCEEDED.value, RolloutStatus.FAILED.value, RolloutStatus.TIMEOUT.value):
+            raise HTTPError(400, "status must be 'succeeded', 'failed' or 'timeout'", code="bad_status")
+        error = body.get("error")
+        if error is not None and not isinstance(error, str):
+            error = json.dumps(error)[:4000]
+        entry = await self.entry(rollout_id, for_call=False)
+        if entry.finished:
+            stored = await asyncio.to_thread(self.store.get_rollout, rollout_id)
+            if stored is not None and stored.status == status:
+                return stored  # a retried finish
+            was = stored.status.value if stored else "?"
+            raise HTTPError(409, f"rollout {rollout_id!r} is already finished ({was})",
+                             code="rollout_finished")
+        reward = reward_from(rollout_id, {"value": body["reward"]}) if body.get("reward") is not None else None
+        entry.finished = True  # new calls get 409 from here on
+        try:
+            await asyncio.wait_for(entry.idle.wait(), self.finish_wait_s)
+        except asyncio.TimeoutError:
+            log.warning("rollout %s finished with calls still in flight", rollout_id)
+        if reward is not None:
+            await asyncio.to_thread(self.store.add_reward, reward)
+        await asyncio.to_thread(self.store.flush, 30.0)  # its calls are on disk before it shows as finished
+        done = await asyncio.to_thread(self.store.finish_rollout, rollout_id, status=status, error=error)
+        self._open.pop(rollout_id, None)
+        return done
+
+
+def reward_from(rollout_id: str, body: dict[str, Any]) -> Reward:
+    value = body.get("value", body.get("reward"))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise HTTPError(400, f"reward value must be a finite number, got {value!r}", code="bad_reward")
+    metadata = body.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise HTTPError(400, "metadata must be an object", code="bad_metadata")
+    name = body.get("name")
+    return Reward(rollout_id=rollout_id, value=float(value), name=str(name) if name is not None else None,
+                  final=bool(body.get("final", True)), created_at=time.time(), metadata=metadata)

@@ -1,0 +1,118 @@
+"""One upstream call per logical call: a retried request is answered from the first one.
+
+An `Idempotency-Key` header replays the stored response for `idempotency_ttl_s`; an identical
+body resent within a rollout while the first copy is in flight, or within `retry_window_s`
+after it succeeded, is answered from the first (a client's retry storm stays one call). A
+failed call is never replayed: its retry goes upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from lightning_middleware.gateway.errors import HTTPError
+from lightning_middleware.gateway.responses import Headers
+
+Key = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Cached:
+    """A successful answer as it was sent to the caller (ASGI form)."""
+
+    status: int
+    headers: Headers
+    body: bytes
+
+
+@dataclass
+class Flight:
+    """A call running upstream (or done), that identical requests wait on."""
+
+    body_hash: str
+    ttl: float
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    result: Cached | None = None
+    finished_at: float = 0.0
+
+    def expired(self, now: float) -> bool:
+        return self.result is None or now - self.finished_at > self.ttl
+
+
+class ReplayCache:
+    """Flights by key, oldest first; bounded by `max_entries` (in-flight entries are never dropped)."""
+
+    def __init__(self, *, retry_window_s: float = 30.0, idempotency_ttl_s: float = 3600.0,
+                 max_entries: int = 1024, max_wait_s: float = 660.0) -> None:
+        self.retry_window_s, self.idempotency_ttl_s = retry_window_s, idempotency_ttl_s
+        self.max_entries, self.max_wait_s = max_entries, max_wait_s
+        self.replayed = 0
+        self._flights: OrderedDict[Key, Flight] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+    def key_for(self, headers: Mapping[str, str], rollout_id: str | None, path: str,
+                body_hash: str) -> tuple[Key | None, float]:
+        """The key a call is deduplicated under and how long its answer is kept (None: not at all)."""
+        idem = headers.get("idempotency-key")
+        if idem:
+            return ("idem", rollout_id or "", idem), self.idempotency_ttl_s
+        if rollout_id and self.retry_window_s > 0:
+            return ("body", rollout_id, path, body_hash), self.retry_window_s
+        return None, 0.0
+
+    async def claim(self, key: Key, ttl: float, body_hash: str) -> Flight | Cached:
+        """A new flight the caller must run and `land`, or the cached answer to replay."""
+        while True:
+            found = self._flights.get(key)
+            if found is not None and found.body_hash != body_hash:
+                raise HTTPError(409, "Idempotency-Key reused with a different request body",
+                                code="idempotency_conflict")
+            if found is None or (found.done.is_set() and found.expired(time.monotonic())):
+                flight = self._flights[key] = Flight(body_hash, ttl)
+                self._flights.move_to_end(key)
+                self._evict()
+                return flight
+            if not found.done.is_set():
+                try:  # the first copy is still running: wait for its answer
+                    await asyncio.wait_for(found.done.wait(), self.max_wait_s)
+                except asyncio.TimeoutError:
+                    raise HTTPError(504, "an identical earlier request is still running upstream",
+                                    type="upstream_timeout", code="upstream_timeout") from None
+                continue
+            self.replayed += 1
+            assert found.result is not None
+            return found.result
+
+    def land(self, key: Key, flight: Flight, result: Cached | None) -> None:
+        """The flight finished: keep `result` for replays, or forget the key (a failure)."""
+        if flight.done.is_set():
+            return
+        flight.result = result
+        flight.finished_at = time.monotonic()
+        flight.done.set()
+        if result is None and self._flights.get(key) is flight:
+            del self._flights[key]
+
+    def _evict(self) -> None:
+        """Drop expired or surplus entries from the oldest end; a few per call (amortised)."""
+        now = time.monotonic()
+        for _ in range(8):
+            if not self._flights:
+                return
+            key, fl = next(iter(self._flights.items()))
+            over = len(self._flights) > self.max_entries
+            if not fl.done.is_set():
+                if not over:
+                    return
+                self._flights.move_to_end(key)  # in flight: never dropped
+                continue
+            if over or now - fl.finished_at > fl.ttl:
+                self._flights.popitem(last=False)
+                continue
+            return

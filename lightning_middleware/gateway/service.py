@@ -1,0 +1,369 @@
+"""The gateway: an OpenAI-compatible capturing proxy in front of vLLM replicas.
+
+Agents in any language point their OpenAI base URL at the gateway; every chat /
+completions call is recorded into the trace store with exact token IDs by the
+same capture code `wrap()` installs (`capture.begin_call`: token-ID injection,
+the record built on the store's writer thread). The proxy routes are served by a
+raw ASGI handler and forwarded with one aiohttp session: the per-call path runs
+no router, middleware or request/response objects it does not need, because on a
+2-core machine each one shows up in the latency a caller sees.
+
+    lightning-mw gateway --upstream http://127.0.0.1:8000/v1 --store sqlite:///traces.db
+
+HTTP surface (see docs/gateway.md):
+
+- `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, also under
+  a per-rollout base URL `/rollouts/{id}/v1/...`, or with an `x-rollout-id` header.
+  Streaming (SSE) is passed through chunk by chunk.
+- `POST /rollouts` (idempotent on a client-supplied `id`), `GET /rollouts/{id}`,
+  `POST /rollouts/{id}/reward`, `POST /rollouts/{id}/finish`, `POST /rollouts/{id}/fail`.
+- `POST /admin/pause`, `POST /admin/resume`, `GET /admin/state` (weight swaps),
+  `GET /health` (no auth).
+
+Training safety: an `Idempotency-Key` request header replays the stored response
+(one upstream call, one training call), and identical bodies resent within a
+rollout while the first is in flight or within `retry_window_s` after it
+succeeded are answered from the first (a client's retry storm stays one call).
+
+The parts, one module each: `admission` (the pause gate), `upstreams` (replica choice and
+health), `replay` (retries answered from the first call), `registry` (rollouts over HTTP),
+`requests`/`responses` (raw ASGI), `errors`, `auth`, `app` (routes), `cli`. Heavy imports
+(starlette, uvicorn, aiohttp) happen inside functions: registering the CLI stays cheap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_middleware import fastjson
+from lightning_middleware.capture import ROLLOUT_HEADER, scrub_secrets
+from lightning_middleware.gateway.admission import PAUSE_MODES, PauseGate
+from lightning_middleware.gateway.app import GatewayApp
+from lightning_middleware.gateway.auth import TOKEN_ENV, check_bearer, is_loopback
+from lightning_middleware.gateway.errors import GatewayConfigError, HTTPError, error_reply, upstream_error
+from lightning_middleware.gateway.forwarding import Forwarder
+from lightning_middleware.gateway.registry import RolloutRegistry
+from lightning_middleware.gateway.replay import Cached, Flight, ReplayCache
+from lightning_middleware.gateway.requests import Receive, parse_object, receive_body
+from lightning_middleware.gateway.responses import Full, Scope, Send, StreamResponse, bind_socket
+from lightning_middleware.gateway.upstreams import Upstream, UpstreamPool
+from lightning_middleware.store import TraceStore, get_store
+
+log = logging.getLogger(__name__)
+
+REPLAY_HEADER = "x-lightning-replayed"
+
+
+class Gateway:
+    """The gateway's state and ASGI app; `start()` serves it on uvicorn in a background thread.
+
+    `pause()`, `resume()` and `state()` are thread-safe (the weight publisher calls
+    them from its own thread); `apause()` & co. are their coroutine forms.
+    """
+
+    def __init__(
+        self,
+        upstreams: Sequence[str] | str,
+        store: TraceStore | str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        upstream_api_key: str | None = None,
+        max_body_bytes: int = 16 * 1024 * 1024,
+        pause_mode: str = "wait",
+        pause_wait_s: float = 30.0,
+        retry_after_s: int = 2,
+        connect_timeout_s: float = 5.0,
+        upstream_timeout_s: float = 600.0,
+        health_interval_s: float = 5.0,
+        health_timeout_s: float = 2.0,
+        retry_window_s: float = 30.0,
+        idempotency_ttl_s: float = 3600.0,
+        max_cached_responses: int = 1024,
+        record_unattached: bool = True,
+        policy_version: int | None = None,
+    ) -> None:
+        if isinstance(upstreams, str):
+            upstreams = [upstreams]
+        if not upstreams:
+            raise GatewayConfigError("at least one --upstream URL is needed")
+        if pause_mode not in PAUSE_MODES:
+            raise GatewayConfigError(f"pause_mode must be 'wait' or 'reject', got {pause_mode!r}")
+        if not is_loopback(host) and not token:
+            raise GatewayConfigError(
+                f"refusing to listen on {host} without a bearer token: pass --token (or set {TOKEN_ENV}), "
+                "or bind 127.0.0.1")
+        if max_body_bytes <= 0:
+            raise GatewayConfigError("max_body_bytes must be positive")
+        self.pool = UpstreamPool(upstreams, health_timeout_s=health_timeout_s)
+        self.store = get_store(store)
+        self.host, self.port, self.token = host, port, token
+        self.upstream_api_key = upstream_api_key
+        self.max_body_bytes = max_body_bytes
+        self.connect_timeout_s, self.upstream_timeout_s = connect_timeout_s, upstream_timeout_s
+        self.health_interval_s = health_interval_s
+        self.record_unattached = record_unattached
+        self.gate = PauseGate(mode=pause_mode, wait_s=pause_wait_s, retry_after_s=retry_after_s)
+        self.replay = ReplayCache(retry_window_s=retry_window_s, idempotency_ttl_s=idempotency_ttl_s,
+                                  max_entries=max_cached_responses,
+                                  max_wait_s=upstream_timeout_s + pause_wait_s + 30)
+        self.rollouts = RolloutRegistry(self.store, finish_wait_s=upstream_timeout_s)
+        if policy_version is None:  # continue from the newest checkpoint the trainer recorded
+            try:
+                policy_version = self.store.latest_policy_version()
+            except Exception:  # noqa: BLE001 - a fresh store, or one that is down: start unversioned
+                policy_version = None
+        self.policy_version = policy_version
+        self.forwarder = Forwarder(self.pool, self.store, upstream_api_key=upstream_api_key, token=token,
+                                   connect_timeout_s=connect_timeout_s, upstream_timeout_s=upstream_timeout_s,
+                                   record_unattached=record_unattached)
+        self.calls = 0
+        self._health_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._app: GatewayApp | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ------------------------------------------------------------
+    @property
+    def upstreams(self) -> list[Upstream]:
+        return self.pool.upstreams
+
+    @property
+    def app(self) -> GatewayApp:
+        """The ASGI app (built on first use)."""
+        if self._app is None:
+            self._app = GatewayApp(self)
+        return self._app
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def rollout_base_url(self, rollout_id: str) -> str:
+        return f"{self.url}/rollouts/{rollout_id}/v1"
+
+    async def startup(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self.forwarder.open()
+        session = self.forwarder.session
+        assert session is not None
+        if self._health_task is None and self.health_interval_s > 0:
+            self._health_task = asyncio.create_task(self.pool.health_loop(session, self.health_interval_s))
+
+    async def shutdown(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._health_task
+            self._health_task = None
+        await self.forwarder.close()
+        await asyncio.to_thread(self.store.flush, 10.0)
+
+    def start(self, timeout: float = 30.0) -> Gateway:
+        """Serve on uvicorn in a daemon thread; returns once it accepts connections."""
+        import uvicorn
+
+        sock = bind_socket(self.host, self.port)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="lightning-gateway", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the gateway did not start (see the log)")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._server = self._thread = None
+
+    def __enter__(self) -> Gateway:
+        return self.start()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+    # -- admin (coroutines, on the gateway's loop) ---------------------------
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            **self.gate.snapshot(), "policy_version": self.policy_version,
+            "open_rollouts": self.rollouts.open_count(), "upstreams": [u.as_dict() for u in self.pool],
+            "counters": {"calls": self.calls, "replayed": self.replay.replayed, "rejected_paused": self.gate.rejected,
+                         "upstream_errors": self.forwarder.upstream_errors},
+        }
+
+    async def apause(self, *, wait: bool = True, timeout: float = 60.0, mode: str | None = None) -> dict[str, Any]:
+        """Stop admitting calls; with `wait`, return once in-flight calls have finished (or `timeout`)."""
+        drained = await self.gate.pause(wait=wait, timeout=timeout, mode=mode)
+        return {**self.snapshot(), "drained": drained}
+
+    async def aresume(self, *, policy_version: int | None = None) -> dict[str, Any]:
+        """Admit calls again; with `policy_version`, calls from here on are stamped with it."""
+        if policy_version is not None:
+            self.policy_version = policy_version
+        self.gate.resume()
+        return self.snapshot()
+
+    # -- admin (thread-safe) --------------------------------------------------
+    def _call_in_loop(self, coro: Any, timeout: float | None) -> Any:
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            coro.close()
+            raise RuntimeError("the gateway is not running")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            coro.close()
+            raise RuntimeError("called on the gateway's own event loop: await apause()/aresume() instead")
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    def pause(self, *, wait: bool = True, timeout: float = 60.0, mode: str | None = None) -> dict[str, Any]:
+        return self._call_in_loop(self.apause(wait=wait, timeout=timeout, mode=mode), timeout + 10)
+
+    def resume(self, *, policy_version: int | None = None) -> dict[str, Any]:
+        return self._call_in_loop(self.aresume(policy_version=policy_version), 10)
+
+    def state(self) -> dict[str, Any]:
+        return self.snapshot()
+
+    async def check_health(self) -> None:
+        await self.forwarder.open()
+        session = self.forwarder.session
+        assert session is not None
+        await self.pool.check_health(session)
+
+    # -- the proxied call -----------------------------------------------------
+    async def serve_proxy(self, scope: Scope, receive: Receive, send: Send, path: str,
+                          rollout_id: str | None) -> None:
+        """Serve one POST to a proxy route (`path` is "chat/completions" or "completions")."""
+        pairs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+        try:
+            headers = dict(pairs)
+            self.check_auth(headers.get("authorization", ""))
+            reply = await self.proxy(pairs, headers, receive, path, rollout_id)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
+            reply = error_reply(exc, "POST", scope["path"])
+        await reply(scope, receive, send)
+
+    def check_auth(self, authorization: str) -> None:
+        check_bearer(self.token, authorization)
+
+    async def proxy(self, pairs: list[tuple[str, str]], headers: dict[str, str], receive: Receive, path: str,
+                    rollout_id: str | None) -> Full | StreamResponse:
+        """Admit, deduplicate, record and forward one call. Returns the ASGI response to send;
+        raises `HTTPError` while nothing has been sent yet."""
+        header_rid = headers.get(ROLLOUT_HEADER)
+        if header_rid and rollout_id and header_rid != rollout_id:
+            raise HTTPError(400, f"x-rollout-id {header_rid!r} disagrees with the URL's rollout {rollout_id!r}",
+                             code="rollout_mismatch")
+        rollout_id = rollout_id or header_rid or None
+        raw = await receive_body(receive, headers, self.max_body_bytes)
+        payload = parse_object(raw)
+        payload, scrubbed = scrub_secrets(payload)
+        if scrubbed:
+            raw = fastjson.dumps(payload).encode()
+        entry = await self.rollouts.entry(rollout_id, for_call=True) if rollout_id else None
+        stream = bool(payload.get("stream"))
+        body_hash = hashlib.sha256(raw).hexdigest()
+
+        key, ttl = self.replay.key_for(headers, rollout_id, path, body_hash)
+        flight: Flight | None = None
+        if key is not None:
+            claimed = await self.replay.claim(key, ttl, body_hash)
+            if isinstance(claimed, Cached):
+                return Full(claimed.status, claimed.headers + [(REPLAY_HEADER.encode(), b"1")], claimed.body)
+            flight = claimed
+
+        ok_result: Cached | None = None
+        admitted = False
+        try:
+            await self.gate.admit()
+            version = self.policy_version
+            admitted = True
+            if entry is not None:
+                entry.enter()
+            self.calls += 1
+            call = await self.forwarder.forward(pairs, headers, path, raw, payload, rollout_id,
+                                                entry.state if entry is not None else None, version)
+            status = call.response.status
+            if not stream or not 200 <= status < 300 or "text/event-stream" not in call.content_type:
+                try:
+                    body = await call.response.read()
+                except Exception as exc:
+                    call.record([], error=exc)
+                    raise upstream_error(exc, call.where) from None
+                finally:
+                    call.response.release()
+                call.record([body])
+                if status >= 500:
+                    self.forwarder.upstream_errors += 1
+                    raise HTTPError(502, f"upstream {call.where} answered HTTP {status}: "
+                                     f"{body[:500].decode('utf-8', 'replace')}",
+                                     type="upstream_error", code="upstream_error")
+                if 200 <= status < 300:
+                    ok_result = Cached(status, call.headers, body)
+                return Full(status, call.headers, body)
+            # A stream: take its first chunk before committing to 200, so a stalled upstream is a 504.
+            chunks = call.response.content.iter_any()
+            try:
+                first = await chunks.__anext__()
+            except StopAsyncIteration:
+                first = b""
+            except Exception as exc:
+                call.response.close()
+                call.record([], error=exc)
+                raise upstream_error(exc, call.where) from None
+
+            def on_done(complete: bool, sent: list[bytes]) -> None:
+                call.record(sent)  # an incomplete stream is recorded as a partial call
+                if entry is not None:
+                    entry.leave()
+                self.gate.release()
+                if flight is not None and key is not None:
+                    self.replay.land(key, flight, Cached(status, call.headers, b"".join(sent)) if complete else None)
+
+            admitted = False  # the stream releases its slot when it ends
+            return StreamResponse(status, call.headers, first, chunks, call.response, on_done)
+        except BaseException:
+            if flight is not None and key is not None:
+                self.replay.land(key, flight, None)
+                flight = None
+            raise
+        finally:
+            if admitted:
+                if entry is not None:
+                    entry.leave()
+                self.gate.release()
+                if flight is not None and key is not None:
+                    self.replay.land(key, flight, ok_result)
+
+
+def build_app(upstreams: Sequence[str] | str, store: TraceStore | str | None = None, **options: Any) -> GatewayApp:
+    """The gateway as an ASGI app (serve it with any ASGI server); `app.gateway` (also `app.state.gateway`)
+    is the `Gateway`."""
+    app: GatewayApp = Gateway(upstreams, store, **options).app
+    return app

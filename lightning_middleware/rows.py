@@ -1,0 +1,285 @@
+"""Training rows from one rollout's LLM calls. Pure Python: no torch here.
+
+A row is one token sequence the model is trained on. The rule (docs/trainer.md):
+
+1. Keep only calls the store marked `is_training` that are complete and carry prompt
+   token IDs. Everything else is skipped and counted (partial, non-training, no IDs).
+   Retries: the store marks at most one attempt of a call as training; if two training
+   attempts share a call_index the later attempt wins and the duplicate is counted.
+2. Calls are taken in (call_index, attempt) order and split into threads by
+   `agent_name`; each thread has at most one open row.
+3. A call extends its thread's open row when its prompt token IDs start with the row's
+   full token IDs (earlier prompts + completions + observations). The new prompt tail
+   (tool results, new user turns, template tokens) gets loss-mask 0; the completion
+   gets loss-mask 1 and carries its behaviour logprobs. Otherwise the open row is
+   closed and a new row starts with this call (a prefix break).
+4. Rows longer than `max_len` keep their first `max_len` tokens (right truncation).
+   Cutting on the right is the only cut that keeps every kept token's left context,
+   so the behaviour logprobs of the kept completion tokens stay valid. A row left
+   with no completion token after the cut is dropped. Both are counted.
+5. Rows without any completion token (e.g. only empty completions) are dropped, counted.
+
+Advantages are not computed here: `Row.advantage` is 0.0 until `with_advantages`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from lightning_middleware.records import LLMCall, Rollout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One training sequence. All per-token tuples have len(input_ids) entries.
+
+    loss_mask[i] == 1 means input_ids[i] was sampled by the policy (a completion token).
+    behaviour_logprobs[i] is vLLM's logprob of input_ids[i] where loss_mask[i] == 1 and
+    0.0 elsewhere; the whole tuple is None when any merged call lacked logprobs (the
+    engine then recomputes old logprobs for this row).
+    """
+
+    rollout_id: str
+    task_id: str | None
+    agent: str | None
+    input_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    behaviour_logprobs: tuple[float, ...] | None
+    policy_version: int | None = None  # oldest policy version among the merged calls
+    call_ids: tuple[str, ...] = ()
+    truncated: bool = False
+    advantage: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def n_response_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """Counters from row building; add them up across rollouts with `+`."""
+
+    calls_in: int = 0
+    calls_used: int = 0
+    skipped_partial: int = 0
+    skipped_non_training: int = 0
+    skipped_no_token_ids: int = 0
+    duplicate_attempts: int = 0
+    calls_without_logprobs: int = 0
+    merges: int = 0
+    prefix_breaks: int = 0
+    rows: int = 0
+    truncated_rows: int = 0
+    truncated_response_tokens: int = 0
+    dropped_too_long: int = 0
+    dropped_empty: int = 0
+    response_tokens: int = 0
+    total_tokens: int = 0
+
+    def __add__(self, other: RowStats) -> RowStats:
+        return RowStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)})
+
+    @property
+    def prefix_break_rate(self) -> float:
+        """Breaks over chances to merge (every call that followed one of its own agent)."""
+        chances = self.merges + self.prefix_breaks
+        return self.prefix_breaks / chances if chances else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        d: dict[str, float] = dataclasses.asdict(self)
+        d["prefix_break_rate"] = self.prefix_break_rate
+        return d
+
+
+# ---------------------------------------------------------------- selecting calls
+
+
+def counted_attempts(calls: Sequence[LLMCall]) -> list[LLMCall]:
+    """The one rule for which attempt of a call counts, shared by training, metrics and export:
+    per call_index, the last attempt the store marked `is_training`, else the last attempt."""
+    by_index: dict[int, LLMCall] = {}
+    for call in sorted(calls, key=lambda c: (c.call_index, c.attempt)):
+        prev = by_index.get(call.call_index)
+        if prev is None or call.is_training or not prev.is_training:
+            by_index[call.call_index] = call
+    return [by_index[i] for i in sorted(by_index)]
+
+
+def _select_calls(calls: Sequence[LLMCall]) -> tuple[list[LLMCall], dict[str, int]]:
+    """Training calls in call order, one per call_index (`counted_attempts`), plus skip counters."""
+    counts = dict(skipped_partial=0, skipped_non_training=0, skipped_no_token_ids=0, duplicate_attempts=0)
+    training_per_index: dict[int, int] = {}
+    for call in calls:
+        if call.partial:
+            counts["skipped_partial"] += 1
+        elif not call.is_training:
+            counts["skipped_non_training"] += 1
+        elif not call.prompt_token_ids:
+            counts["skipped_no_token_ids"] += 1
+        else:
+            training_per_index[call.call_index] = training_per_index.get(call.call_index, 0) + 1
+    counts["duplicate_attempts"] = sum(n - 1 for n in training_per_index.values())
+    usable = [c for c in counted_attempts(calls) if c.is_training and not c.partial and c.prompt_token_ids]
+    return usable, counts
+
+
+def _call_logprobs(call: LLMCall) -> tuple[float, ...] | None:
+    lp = call.logprobs
+    if lp is None or len(lp) != len(call.completion_token_ids):
+        return None
+    return tuple(float(x) for x in lp)
+
+
+# ---------------------------------------------------------------- growing rows
+
+
+@dataclass
+class _OpenRow:
+    """A row being built; mutable, private."""
+
+    agent: str | None
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    call_ids: list[str] = field(default_factory=list)
+
+    def extends(self, prompt: Sequence[int]) -> bool:
+        n = len(self.ids)
+        return len(prompt) >= n and tuple(prompt[:n]) == tuple(self.ids)
+
+    def add(self, call: LLMCall) -> None:
+        """Append the call's new prompt tail (mask 0) and its completion (mask 1)."""
+        tail = call.prompt_token_ids[len(self.ids):]
+        completion = call.completion_token_ids
+        self.ids += list(tail) + list(completion)
+        self.mask += [0] * len(tail) + [1] * len(completion)
+        lp = _call_logprobs(call)
+        if self.logprobs is not None and lp is not None:
+            self.logprobs += [0.0] * len(tail) + list(lp)
+        else:
+            self.logprobs = None
+        if call.policy_version is not None:
+            self.versions.append(call.policy_version)
+        self.call_ids.append(call.id)
+
+
+def _finish(row: _OpenRow, rollout_id: str, task_id: str | None, max_len: int | None) -> tuple[Row | None, str, int]:
+    """Freeze an open row, applying the truncation rule. Returns (row, outcome, lost response tokens)."""
+    ids, mask, lps = row.ids, row.mask, row.logprobs
+    truncated = max_len is not None and len(ids) > max_len
+    lost = 0
+    if truncated:
+        lost = sum(mask[max_len:])
+        ids, mask = ids[:max_len], mask[:max_len]
+        lps = lps[:max_len] if lps is not None else None
+    if sum(mask) == 0:
+        return None, ("dropped_too_long" if truncated else "dropped_empty"), lost
+    frozen = Row(
+        rollout_id=rollout_id,
+        task_id=task_id,
+        agent=row.agent,
+        input_ids=tuple(ids),
+        loss_mask=tuple(mask),
+        behaviour_logprobs=tuple(lps) if lps is not None else None,
+        policy_version=min(row.versions) if row.versions else None,
+        call_ids=tuple(row.call_ids),
+        truncated=truncated,
+    )
+    return frozen, ("truncated" if truncated else "ok"), lost
+
+
+# ---------------------------------------------------------------- public API
+
+
+def build_rows(
+    calls: Sequence[LLMCall],
+    *,
+    rollout_id: str,
+    task_id: str | None = None,
+    max_len: int | None = None,
+) -> tuple[list[Row], RowStats]:
+    """Rows of one rollout, in the order their first call was made, plus counters."""
+    used, counts = _select_calls(calls)
+    open_rows: dict[str | None, _OpenRow] = {}
+    started: list[_OpenRow] = []
+    merges = breaks = no_lp = 0
+    for call in used:
+        if _call_logprobs(call) is None:
+            no_lp += 1
+        row = open_rows.get(call.agent_name)
+        if row is not None and row.extends(call.prompt_token_ids):
+            merges += 1
+        else:
+            if row is not None:
+                breaks += 1
+                log.debug("prefix break in rollout %s at call %d", rollout_id, call.call_index)
+            row = _OpenRow(agent=call.agent_name)
+            open_rows[call.agent_name] = row
+            started.append(row)
+        row.add(call)
+
+    rows: list[Row] = []
+    outcome_counts = dict(truncated=0, dropped_too_long=0, dropped_empty=0)
+    lost_total = 0
+    for open_row in started:
+        row_out, outcome, lost = _finish(open_row, rollout_id, task_id, max_len)
+        lost_total += lost
+        if outcome != "ok":
+            outcome_counts[outcome] += 1
+        if outcome == "dropped_too_long":
+            outcome_counts["truncated"] += 1
+        if row_out is not None:
+            rows.append(row_out)
+
+    stats = RowStats(
+        calls_in=len(calls),
+        calls_used=len(used),
+        calls_without_logprobs=no_lp,
+        merges=merges,
+        prefix_breaks=breaks,
+        rows=len(rows),
+        truncated_rows=outcome_counts["truncated"],
+        truncated_response_tokens=lost_total,
+        dropped_too_long=outcome_counts["dropped_too_long"],
+        dropped_empty=outcome_counts["dropped_empty"],
+        response_tokens=sum(r.n_response_tokens for r in rows),
+        total_tokens=sum(len(r) for r in rows),
+        **counts,
+    )
+    return rows, stats
+
+
+def build_rows_for_rollouts(
+    items: Iterable[tuple[Rollout, Sequence[LLMCall]]],
+    *,
+    max_len: int | None = None,
+) -> tuple[list[Row], RowStats]:
+    """Rows of many rollouts (each given with its calls) and their summed counters."""
+    all_rows: list[Row] = []
+    total = RowStats()
+    for rollout, calls in items:
+        rows, stats = build_rows(calls, rollout_id=rollout.id, task_id=rollout.task_id, max_len=max_len)
+        all_rows += rows
+        total = total + stats
+    if total.prefix_breaks:
+        log.info("prefix breaks: %d of %d chances (%.1f%%)", total.prefix_breaks,
+                 total.merges + total.prefix_breaks, 100 * total.prefix_break_rate)
+    return all_rows, total
+
+
+def with_advantages(rows: Sequence[Row], advantages: Mapping[str, float] | Sequence[float]) -> list[Row]:
+    """Copies of rows with `advantage` set: by rollout id (a mapping) or one value per row."""
+    if isinstance(advantages, Mapping):
+        return [dataclasses.replace(r, advantage=float(advantages[r.rollout_id])) for r in rows]
+    if len(advantages) != len(rows):
+        raise ValueError(f"{len(advantages)} advantages for {len(rows)} rows")
+    return [dataclasses.replace(r, advantage=float(a)) for r, a in zip(rows, advantages)]

@@ -1,0 +1,143 @@
+"""Records to database rows and back (token IDs and logprobs packed, JSON serialised once)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import sqlalchemy as sa
+
+from lightning_middleware import fastjson
+from lightning_middleware.records import LLMCall, PolicyVersion, Reward, Rollout
+from lightning_middleware.store import schema as S
+from lightning_middleware.store.codec import pack_floats, pack_ints, unpack_floats, unpack_ints
+
+CALL_COLUMNS = tuple(c.name for c in S.llm_calls.columns)
+_JSON_COLUMNS = {"request", "response"}
+INSERT_CALLS_QMARK = f"INSERT INTO llm_calls ({', '.join(CALL_COLUMNS)}) VALUES ({', '.join('?' * len(CALL_COLUMNS))})"
+COPY_CALLS = f"COPY llm_calls ({', '.join(CALL_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
+
+
+def _pg_type(column: sa.Column) -> str:
+    """The PostgreSQL type name of a column, for binary COPY (which needs exact types)."""
+    t = column.type
+    # JSON columns get our pre-serialised text: json's binary input *is* its text.
+    if isinstance(t, sa.LargeBinary):
+        return "bytea"
+    if isinstance(t, sa.Boolean):
+        return "bool"
+    if isinstance(t, sa.Integer):
+        return "int4"
+    if isinstance(t, sa.Float):
+        return "float8"
+    return "text"
+
+
+CALL_PG_TYPES = [_pg_type(c) for c in S.llm_calls.columns]
+
+
+def _json_text(value: Any) -> str | None:
+    return None if value is None else fastjson.dumps(value)
+
+
+def call_tuple(call: LLMCall) -> tuple[Any, ...]:
+    """One llm_calls row in CALL_COLUMNS order, ready for the driver."""
+    values = {
+        "id": call.id,
+        "rollout_id": call.rollout_id,
+        "call_index": call.call_index,
+        "attempt": call.attempt,
+        "endpoint": call.endpoint,
+        "model": call.model,
+        "agent_name": call.agent_name,
+        "request": _json_text(call.request),
+        "response": _json_text(call.response),
+        "prompt_token_ids": pack_ints(call.prompt_token_ids) if call.prompt_token_ids else None,
+        "completion_token_ids": pack_ints(call.completion_token_ids) if call.completion_token_ids else None,
+        "logprobs": pack_floats(call.logprobs),
+        "finish_reason": call.finish_reason,
+        "status_code": call.status_code,
+        "stream": bool(call.stream),
+        "partial": bool(call.partial),
+        "is_training": bool(call.is_training),
+        "error": call.error,
+        "latency_s": call.latency_s,
+        "started_at": call.started_at,
+        "policy_version": call.policy_version,
+        "request_hash": call.request_hash,
+    }
+    return tuple(values[c] for c in CALL_COLUMNS)
+
+
+def call_record(row: sa.Row) -> LLMCall:
+    m = row._mapping
+    return LLMCall(
+        id=m["id"],
+        rollout_id=m["rollout_id"],
+        call_index=m["call_index"],
+        attempt=m["attempt"],
+        endpoint=m["endpoint"],
+        model=m["model"],
+        agent_name=m["agent_name"],
+        request=m["request"] or {},
+        response=m["response"],
+        prompt_token_ids=unpack_ints(m["prompt_token_ids"]),
+        completion_token_ids=unpack_ints(m["completion_token_ids"]),
+        logprobs=unpack_floats(m["logprobs"]),
+        finish_reason=m["finish_reason"],
+        status_code=m["status_code"],
+        stream=bool(m["stream"]),
+        partial=bool(m["partial"]),
+        is_training=bool(m["is_training"]),
+        error=m["error"],
+        latency_s=m["latency_s"],
+        started_at=m["started_at"],
+        policy_version=m["policy_version"],
+        request_hash=m["request_hash"],
+    )
+
+
+def rollout_row(r: Rollout) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "task_id": r.task_id,
+        "mode": r.mode.value,
+        "status": r.status.value,
+        "input": r.input,
+        "metadata": r.metadata or None,
+        "final_reward": r.final_reward,
+        "policy_version": r.policy_version,
+        "created_at": r.created_at or time.time(),
+        "ended_at": r.ended_at,
+        "duration_s": r.duration_s,
+        "error": r.error,
+        "claimed_by": r.claimed_by,
+        "consumed_step": r.consumed_step,
+    }
+
+
+def rollout_record(row: sa.Row) -> Rollout:
+    m = dict(row._mapping)
+    m["metadata"] = m["metadata"] or {}
+    return Rollout(**m)
+
+
+def policy_row(pv: PolicyVersion) -> dict[str, Any]:
+    return {"version": pv.version, "trainer_id": pv.trainer_id, "path": pv.path, "checksum": pv.checksum,
+            "created_at": pv.created_at or time.time(), "metadata": pv.metadata or None}
+
+
+def reward_row(reward: Reward) -> dict[str, Any]:
+    return {
+        "rollout_id": reward.rollout_id, "value": float(reward.value), "name": reward.name,
+        "final": bool(reward.final), "created_at": reward.created_at or time.time(),
+        "metadata": reward.metadata or None,
+    }
+
+
+def reward_record(row: sa.Row) -> Reward:
+    m = row._mapping
+    return Reward(
+        id=m["id"], rollout_id=m["rollout_id"], value=m["value"], name=m["name"],
+        final=bool(m["final"]), created_at=m["created_at"], metadata=m["metadata"] or {},
+    )

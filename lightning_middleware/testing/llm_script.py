@@ -1,0 +1,271 @@
+"""The deterministic "model" behind the test LLM server and the in-process test transport.
+
+It answers like vLLM does (`prompt_token_ids`, per-choice `token_ids`, logprobs,
+SSE streaming with token-ID deltas) but its "model" is a script, so tests can
+predict every token:
+
+- Tokens are the UTF-8 bytes of a ChatML rendering (ids 0..255), so a later
+  turn's prompt starts with the earlier prompt + completion, exactly as a real
+  chat template behaves: multi-turn rows merge.
+- If the request offers tools and no tool result came since the last user
+  message, the reply calls the first tool (hermes `<tool_call>` text, parsed
+  into `tool_calls`). With a model name containing `multi-tool` it calls every
+  offered tool, one per turn, in order. Then it answers `echo: <last message>`.
+- Logprob of completion token i is `-(i % 7) / 10`.
+- Test hooks, as request headers: `x-test-fail-times: N` fails the first N
+  attempts of an identical body with 500; `x-test-delay: S` sleeps S seconds
+  before each streamed chunk; `x-test-strict: 1` rejects unknown fields with
+  400, as the real OpenAI API would reject `return_token_ids`.
+
+`reply(path, headers, raw)` is the whole server as one function: the ASGI app
+(`llm_server.build_app`) and the in-process transport (`transport.LLMTestTransport`)
+both serve it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+_fail_counts: Counter[str] = Counter()  # per request body: x-test-fail-times
+_KNOWN_FIELDS = {
+    "model", "messages", "prompt", "tools", "tool_choice", "temperature", "top_p", "max_tokens", "stream",
+    "stream_options", "n", "seed", "stop", "max_completion_tokens", "user", "parallel_tool_calls",
+    "response_format", "input", "frequency_penalty", "presence_penalty",
+}
+
+
+def render_chat(messages: list[dict[str, Any]]) -> str:
+    """ChatML, with assistant tool calls as hermes text and tool results as <tool_response>."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):  # content parts
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        text = content or ""
+        for tc in m.get("tool_calls") or []:
+            fn = tc.get("function", {})
+            text += _tool_call_text(fn.get("name", ""), fn.get("arguments", "{}"))
+        if m.get("role") == "tool":
+            text = f"<tool_response>{text}</tool_response>"
+        out.append(f"<|im_start|>{m.get('role', 'user')}\n{text}<|im_end|>\n")
+    return "".join(out) + "<|im_start|>assistant\n"
+
+
+def _tool_call_text(name: str, arguments: str) -> str:
+    return f'<tool_call>{{"name": "{name}", "arguments": {arguments}}}</tool_call>'
+
+
+def tokenize(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def _reply(body: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
+    """(completion text, tool call or None) for a chat request."""
+    messages = body.get("messages") or []
+    tools = body.get("tools") or []
+    since_user = []
+    for m in reversed(messages):
+        if m.get("role") == "user":
+            break
+        since_user.append(m)
+    results = sum(1 for m in since_user if m.get("role") == "tool")
+    # Default: call the first tool once. A model named "*multi-tool*": call every tool, in order.
+    wanted = len(tools) if "multi-tool" in str(body.get("model", "")) else min(1, len(tools))
+    if results < wanted:
+        fn = tools[results].get("function", tools[results])
+        args = json.dumps({"query": _last_text(messages)[:40]})
+        call: dict[str, Any] = {"id": f"call_{hashlib.sha1(args.encode()).hexdigest()[:8]}", "type": "function",
+                "function": {"name": fn.get("name", "tool"), "arguments": args}}
+        return _tool_call_text(call["function"]["name"], args), call
+    return f"echo: {_last_text(messages)[:60]}", None
+
+
+def _last_text(messages: list[dict[str, Any]]) -> str:
+    if not messages:
+        return ""
+    content = messages[-1].get("content") or ""
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def _cap(ids: list[int], body: dict[str, Any]) -> tuple[list[int], str]:
+    limit = body.get("max_tokens") or body.get("max_completion_tokens")
+    if limit is not None and len(ids) > int(limit):
+        return ids[: int(limit)], "length"
+    return ids, "stop"
+
+
+def _logprob(i: int) -> float:
+    return -(i % 7) / 10
+
+
+def _logprobs_block(ids: list[int], start: int, chat: bool) -> dict[str, Any]:
+    if chat:
+        return {"content": [{"token": f"<{t}>", "logprob": _logprob(start + i), "bytes": [t], "top_logprobs": []}
+                            for i, t in enumerate(ids)]}
+    return {"tokens": [f"<{t}>" for t in ids], "token_logprobs": [_logprob(start + i) for i in range(len(ids))],
+            "top_logprobs": None, "text_offset": list(range(len(ids)))}
+
+
+def _chat_response(body: dict[str, Any]) -> dict[str, Any]:
+    prompt = tokenize(render_chat(body.get("messages") or []))
+    text, call = _reply(body)
+    ids, finish = _cap(tokenize(text), body)
+    if call is not None and finish == "stop":
+        message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [call]}
+        finish = "tool_calls"
+    else:
+        message = {"role": "assistant", "content": bytes(ids).decode("utf-8", "replace")}
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+    if body.get("logprobs"):
+        choice["logprobs"] = _logprobs_block(ids, 0, True)
+    out: dict[str, Any] = {
+        "id": "chatcmpl-" + hashlib.sha1(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12],
+        "object": "chat.completion", "created": int(time.time()), "model": body.get("model", "test-model"),
+        "choices": [choice],
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)},
+    }
+    if body.get("return_token_ids"):
+        out["prompt_token_ids"] = prompt
+        choice["token_ids"] = ids
+    return out
+
+
+def _completion_response(body: dict[str, Any]) -> dict[str, Any]:
+    prompt_text = body.get("prompt") or ""
+    if isinstance(prompt_text, list):
+        token_list = bool(prompt_text) and isinstance(prompt_text[0], int)
+        prompt_ids = list(prompt_text) if token_list else tokenize(str(prompt_text[0]))
+    else:
+        prompt_ids = tokenize(prompt_text)
+    ids, finish = _cap(tokenize(f"echo: {bytes(prompt_ids[-20:]).decode('utf-8', 'replace')}"), body)
+    choice: dict[str, Any] = {"index": 0, "text": bytes(ids).decode("utf-8", "replace"), "finish_reason": finish,
+                              "logprobs": _logprobs_block(ids, 0, False) if body.get("logprobs") is not None else None}
+    if body.get("return_token_ids"):
+        choice["prompt_token_ids"] = prompt_ids
+        choice["token_ids"] = ids
+    return {"id": "cmpl-test", "object": "text_completion", "created": int(time.time()),
+            "model": body.get("model", "test-model"), "choices": [choice],
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
+                      "total_tokens": len(prompt_ids) + len(ids)}}
+
+
+def _stream_chunks(body: dict[str, Any], chat: bool) -> list[dict[str, Any]]:
+    """The full response cut into SSE chunks of 4 tokens, vLLM-style."""
+    # Build the whole answer with token IDs on, then drop them per chunk if not asked for.
+    full_body = {**body, "return_token_ids": True}
+    full = _chat_response(full_body) if chat else _completion_response(full_body)
+    choice = full["choices"][0]
+    ids = choice["token_ids"]
+    head = {"id": full["id"], "created": full["created"], "model": full["model"],
+            "object": "chat.completion.chunk" if chat else "text_completion"}
+    chunks: list[dict[str, Any]] = []
+    for start in range(0, max(len(ids), 1), 4):
+        part = ids[start:start + 4]
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant"} if start == 0 else {}
+            if not choice["message"].get("tool_calls"):
+                delta["content"] = bytes(part).decode("utf-8", "replace")
+            c: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
+        else:
+            c = {"index": 0, "text": bytes(part).decode("utf-8", "replace"), "finish_reason": None, "logprobs": None}
+        if body.get("logprobs") is not None and body.get("logprobs") is not False:
+            c["logprobs"] = _logprobs_block(part, start, chat)
+        if body.get("return_token_ids"):
+            c["token_ids"] = part
+        chunk = {**head, "choices": [c]}
+        if start == 0 and body.get("return_token_ids"):
+            if chat:
+                chunk["prompt_token_ids"] = full["prompt_token_ids"]
+            else:
+                c["prompt_token_ids"] = choice["prompt_token_ids"]
+        chunks.append(chunk)
+    if chat and choice["message"].get("tool_calls"):
+        tc = choice["message"]["tool_calls"][0]
+        args = tc["function"]["arguments"]
+        chunks.append({**head, "choices": [{"index": 0, "finish_reason": None, "delta": {"tool_calls": [
+            {"index": 0, "id": tc["id"], "type": "function",
+             "function": {"name": tc["function"]["name"], "arguments": ""}}]}}]})
+        chunks.append({**head, "choices": [{"index": 0, "finish_reason": None, "delta": {"tool_calls": [
+            {"index": 0, "function": {"arguments": args}}]}}]})
+    end = {"index": 0, "delta": {}, "text": "", "finish_reason": choice["finish_reason"]}
+    chunks.append({**head, "choices": [end]})
+    if (body.get("stream_options") or {}).get("include_usage"):
+        chunks.append({**head, "choices": [], "usage": full["usage"]})
+    return chunks
+
+
+def _responses_response(body: dict[str, Any]) -> dict[str, Any]:
+    text = f"echo: {str(body.get('input'))[:60]}"
+    return {"id": "resp_test", "object": "response", "created_at": int(time.time()), "status": "completed",
+            "model": body.get("model", "test-model"),
+            "output": [{"type": "message", "id": "msg_test", "role": "assistant", "status": "completed",
+                        "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+            "usage": {"input_tokens": 5, "output_tokens": 5, "total_tokens": 10}}
+
+
+@dataclass(frozen=True)
+class ScriptedReply:
+    """What the server answers: a JSON body, or SSE events sent `delay_s` apart."""
+
+    status: int
+    body: dict[str, Any] | None = None
+    events: tuple[bytes, ...] = ()
+    headers: dict[str, str] = field(default_factory=dict)
+    delay_s: float = 0.0
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.events)
+
+    def json_bytes(self) -> bytes:
+        return json.dumps(self.body).encode()
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> ScriptedReply:
+    return ScriptedReply(status, {"error": {"message": message, "type": kind}})
+
+
+def reply(path: str, headers: Mapping[str, str], raw: bytes) -> ScriptedReply:
+    """The answer to a POST of `raw` to a completions route (`headers` with lower-case names)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return _error(400, "invalid JSON")
+    if not isinstance(body, dict):
+        return _error(400, "the body must be a JSON object")
+    if headers.get("x-test-strict") and set(body) - _KNOWN_FIELDS:
+        return _error(400, f"unknown fields {sorted(set(body) - _KNOWN_FIELDS)}")
+    fail_times = int(headers.get("x-test-fail-times", "0"))
+    if fail_times:
+        key = hashlib.sha256(raw).hexdigest()
+        if _fail_counts[key] < fail_times:
+            _fail_counts[key] += 1
+            return _error(500, "injected failure", "server_error")
+    seen = {"x-test-received-headers": ",".join(sorted(headers.keys()))}
+    if path.endswith("/responses"):
+        return ScriptedReply(200, _responses_response(body), headers=seen)
+    chat = path.endswith("/chat/completions")
+    if not body.get("stream"):
+        return ScriptedReply(200, _chat_response(body) if chat else _completion_response(body), headers=seen)
+    events = tuple(f"data: {json.dumps(c)}\n\n".encode() for c in _stream_chunks(body, chat))
+    return ScriptedReply(200, events=events + (b"data: [DONE]\n\n",), headers=seen,
+                         delay_s=float(headers.get("x-test-delay", "0")))
+
+
+def tokenize_reply(raw: bytes) -> dict[str, Any]:
+    """The answer of `/tokenize` (vLLM's shape) for a chat or completion request."""
+    body = json.loads(raw)
+    text = render_chat(body["messages"]) if "messages" in body else body.get("prompt", "")
+    ids = tokenize(text)
+    return {"tokens": ids, "count": len(ids), "max_model_len": 4096}
+
+
+MODELS = {"object": "list", "data": [{"id": "test-model", "object": "model", "owned_by": "test"}]}

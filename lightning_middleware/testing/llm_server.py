@@ -1,0 +1,173 @@
+"""The deterministic test LLM (`llm_script`) as a real HTTP server, in a subprocess.
+
+    with LLMTestServer() as srv:
+        client = OpenAI(base_url=srv.base_url, api_key="-")
+
+Run it by hand with `python -m lightning_middleware.testing.llm_server --port 8011`. Where a
+test does not need a socket, `LLMTestTransport` serves the same answers in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from lightning_middleware.testing.llm_script import MODELS, reply, tokenize_reply
+
+
+def _burn(seconds: float) -> None:
+    """Compute for `seconds` of this thread's CPU time (not wall time: on a busy machine it takes longer,
+    as a real engine's work would). On the event loop, so completions are computed one at a time."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def build_app(latency_s: float = 0.0, cpu_s: float = 0.0) -> Any:
+    """The ASGI app. `latency_s`: time every completion takes, as an engine's generation would.
+
+    `cpu_s`: CPU time every completion computes, one completion at a time on the server's
+    event loop, like a CPU inference engine that fills a core: throughput is at most 1/cpu_s
+    and whatever else runs on the machine competes with it for cores.
+    """
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    async def completions(request: Request) -> Any:
+        answer = reply(request.url.path, request.headers, await request.body())
+        if answer.status == 200 and not request.url.path.endswith("/responses"):
+            if latency_s:
+                await asyncio.sleep(latency_s)
+            if cpu_s:
+                _burn(cpu_s)
+        if not answer.stream:
+            return Response(answer.json_bytes(), answer.status, headers=answer.headers,
+                            media_type="application/json")
+
+        async def events() -> Any:
+            for event in answer.events:
+                if answer.delay_s:
+                    await asyncio.sleep(answer.delay_s)
+                yield event
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=answer.headers)
+
+    async def models(_request: Request) -> Any:
+        return JSONResponse(MODELS)
+
+    async def tokenize_route(request: Request) -> Any:
+        return JSONResponse(tokenize_reply(await request.body()))
+
+    async def health(_request: Request) -> Any:
+        return JSONResponse({"ok": True})
+
+    return Starlette(routes=[
+        Route("/v1/chat/completions", completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/tokenize", tokenize_route, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+    ])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child_env() -> dict[str, str]:
+    """This process's environment, with our package importable even from a source checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": root + (os.pathsep + path if path else "")}
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds a process has used so far (Linux /proc), None where unavailable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class LLMTestServer:
+    """The test server in a subprocess: `with LLMTestServer() as srv: OpenAI(base_url=srv.base_url)`."""
+
+    def __init__(self, port: int | None = None, *, latency_ms: float = 0.0, cpu_ms: float = 0.0) -> None:
+        self.port = port or free_port()
+        self.latency_ms = latency_ms
+        self.cpu_ms = cpu_ms
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url + "/v1"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The server process's id while it runs (e.g. for process_cpu_seconds)."""
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self, timeout: float = 30.0) -> LLMTestServer:
+        import httpx
+
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "lightning_middleware.testing.llm_server", "--port", str(self.port),
+             "--latency-ms", str(self.latency_ms), "--cpu-ms", str(self.cpu_ms)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_child_env(),
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                err = self._proc.stderr.read().decode() if self._proc.stderr else ""
+                raise RuntimeError(f"test LLM server exited: {err[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError("test LLM server did not come up")
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self._proc = None
+
+    def __enter__(self) -> LLMTestServer:
+        return self.start()
+
+    def __exit__(self, *_exc: Any) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description="deterministic OpenAI-compatible test server")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8011)
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="time each completion takes")
+    parser.add_argument("--cpu-ms", type=float, default=0.0,
+                        help="CPU each completion computes, one at a time (an engine that fills a core)")
+    args = parser.parse_args(argv)
+    uvicorn.run(build_app(args.latency_ms / 1000, args.cpu_ms / 1000), host=args.host, port=args.port,
+                log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

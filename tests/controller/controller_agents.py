@@ -1,0 +1,125 @@
+"""Agent functions for the controller tests and benchmark.
+
+Module-level so worker processes and Ray actors can import them. Each builds its
+wrapped client lazily, once per process, from what the task carries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from typing import Any
+
+import openai
+
+from lightning_middleware import TraceStore, wrap
+from lightning_middleware.capture import current_rollout
+from lightning_middleware.testing import LLMTestServer
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look a fact up",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"query": {"type": "string"}}}}}]
+_clients: dict[tuple[str, str, int], Any] = {}
+_lock = threading.Lock()
+
+
+def _client(task: dict[str, Any], is_async: bool) -> Any:
+    # An async client's connections belong to one event loop: one client per loop.
+    key = (task["base_url"], task["store"], id(asyncio.get_running_loop()) if is_async else 0)
+    with _lock:
+        if key not in _clients:
+            cls = openai.AsyncOpenAI if is_async else openai.OpenAI
+            _clients[key] = wrap(cls(base_url=task["base_url"], api_key="x", max_retries=0), store=task["store"])
+        return _clients[key]
+
+
+def _messages(task: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": task.get("question", "q")}]
+
+
+def tool_agent(task: dict[str, Any]) -> float:
+    """Sync openai tool loop: tool call, then answer (2 LLM calls). Optional sleep/hang/crash."""
+    client = _client(task, False)
+    messages = _messages(task)
+    for _ in range(4):
+        reply = client.chat.completions.create(model="m", messages=messages, tools=TOOLS).choices[0].message
+        messages.append(reply.model_dump(exclude_none=True))
+        if task.get("pidfile") and not os.path.exists(task["pidfile"]):
+            current_rollout().store.flush()  # the span is on disk before we announce ourselves
+            with open(task["pidfile"] + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(task["pidfile"] + ".tmp", task["pidfile"])
+            time.sleep(60)  # wait to be killed
+        if task.get("sleep"):
+            time.sleep(task["sleep"])
+        if task.get("crash"):
+            raise ValueError("tool exploded")
+        if not reply.tool_calls:
+            return float(task.get("reward", 1.0))
+        for call in reply.tool_calls:
+            args = json.loads(call.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": f"fact {args}"})
+    return 0.0
+
+
+async def async_tool_agent(task: dict[str, Any]) -> float:
+    client = _client(task, True)
+    messages = _messages(task)
+    for _ in range(4):
+        reply = (await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)).choices[0].message
+        messages.append(reply.model_dump(exclude_none=True))
+        if task.get("sleep"):
+            await asyncio.sleep(task["sleep"])
+        if task.get("crash"):
+            raise ValueError("tool exploded")
+        if not reply.tool_calls:
+            return float(task.get("reward", 1.0))
+        messages.append({"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "fact"})
+    return 0.0
+
+
+async def noop_agent(task: dict[str, Any]) -> float:
+    return 1.0
+
+
+def sync_noop_agent(task: dict[str, Any]) -> float:
+    return 1.0
+
+
+def max_overlap(rollouts: Any) -> int:
+    """Most rollouts running at once, from the store's created_at/ended_at."""
+    events = []
+    for r in rollouts:
+        events.append((r.created_at, 1))
+        events.append((r.ended_at or r.created_at, -1))
+    best = cur = 0
+    for _, d in sorted(events, key=lambda e: (e[0], e[1])):
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+def kill_when_announced(pidfile: str, timeout_s: float = 60.0) -> threading.Thread:
+    """Start a thread that SIGKILLs the worker whose agent writes its pid to `pidfile`."""
+    import signal
+
+    def killer() -> None:
+        end = time.monotonic() + timeout_s
+        while not os.path.exists(pidfile) and time.monotonic() < end:
+            time.sleep(0.02)
+        with open(pidfile) as f:
+            os.kill(int(f.read()), signal.SIGKILL)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    return thread
+
+
+def make_tasks(server: LLMTestServer, store: TraceStore, n: int, **extra: Any) -> list[dict[str, Any]]:
+    """n tasks for these agents, each naming the test LLM server and the store URL."""
+    url = store.url.render_as_string(hide_password=False)
+    return [{"task_id": f"t{i}", "question": f"what is {i}?", "base_url": server.base_url, "store": url, **extra}
+            for i in range(n)]

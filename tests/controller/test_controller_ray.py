@@ -1,0 +1,67 @@
+"""Rollout controller on a real (local) Ray runtime: one Ray session for the module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_middleware import TraceStore
+from lightning_middleware.controller import RayBackend, RetryPolicy, RolloutController
+from lightning_middleware.testing import LLMTestServer
+from tests.controller import controller_agents as A
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session() -> Any:
+    root = str(Path(__file__).resolve().parents[2])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": root}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def sq(tmp_path: Path) -> TraceStore:
+    s = TraceStore(f"sqlite:///{tmp_path / 'traces.db'}")
+    yield s
+    s.close()
+
+
+def test_ray_groups_concurrency_timeout_and_crash(llm_server: LLMTestServer, sq: TraceStore) -> None:
+    tasks = A.make_tasks(llm_server, sq, 6, sleep=0.05)
+    tasks[4] = {**tasks[4], "sleep": 20}
+    tasks[5] = {**tasks[5], "crash": True}
+    with RolloutController(A.async_tool_agent, store=sq, backend=RayBackend(num_workers=2), concurrency=4,
+                           timeout_s=1.0) as c:
+        results = c.run(tasks, n=3)
+    by_task: dict[str, list[Any]] = {}
+    for r in results:
+        by_task.setdefault(r.task_id, []).append(r)
+    assert all(len(v) == 3 for v in by_task.values()) and len(by_task) == 6
+    assert all(r.status == "succeeded" and r.reward == 1.0 for t in ("t0", "t1", "t2", "t3") for r in by_task[t])
+    assert all(r.status == "timeout" and sq.get_rollout(r.rollout_id).status == "timeout" for r in by_task["t4"])
+    assert all(r.status == "failed" and r.attempts == 1 and "tool exploded" in r.error for r in by_task["t5"])
+    assert all(len(sq.calls(r.rollout_id)) == 1 for r in by_task["t4"] + by_task["t5"])  # spans kept
+    assert c.stats.max_in_flight == 4 and A.max_overlap(sq.query_rollouts()) <= 4
+
+
+def test_ray_sync_agent_and_killed_actor(llm_server: LLMTestServer, sq: TraceStore, tmp_path: Path) -> None:
+    pidfile = str(tmp_path / "pid")
+    tasks = A.make_tasks(llm_server, sq, 3)
+    tasks[0]["pidfile"] = pidfile
+
+    k = A.kill_when_announced(pidfile)
+    with RolloutController(A.tool_agent, store=sq, backend="ray", workers=2, concurrency=2,
+                           retry=RetryPolicy(backoff_s=0.5, max_attempts=4)) as c:
+        results = c.run(tasks, n=2)
+    k.join()
+    failed = [r for r in sq.query_rollouts() if r.status == "failed"]
+    assert failed and all("WorkerLost" in r.error for r in failed)
+    killed = [r for r in failed if r.task_id == "t0"]
+    assert killed and len(sq.calls(killed[0].id)) == 1  # the span it flushed before the kill
+    assert all(r.status == "succeeded" for r in results) and len(results) == 6
+    assert sq.query_rollouts(status="running") == []

@@ -1,0 +1,175 @@
+"""The trainer daemon over a real store: group policy, consumption, crash safety, two daemons.
+
+Rollouts are real: a wrapped openai client against the deterministic test server
+(its token IDs are UTF-8 bytes, so a tiny random Qwen2 with a 260-token vocab can
+train on them). The engine is the real TorchEngine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from lightning_middleware import TraceStore, rollout, wrap  # noqa: E402
+from lightning_middleware.records import STEP_METRICS  # noqa: E402
+from lightning_middleware.testing import LLMTestServer  # noqa: E402
+from trainer_backend.daemon.trainer_daemon import GroupPolicy, TrainerConfig, TrainerDaemon  # noqa: E402
+from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tiny_bytes_model")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                                   tie_word_embeddings=True)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1024}))
+    return d
+
+
+def run_rollouts(server: LLMTestServer, store: TraceStore, tasks: dict[str, list[float]], *,
+                 policy_version: int | None = None, status_fail: set[tuple[str, int]] = frozenset()) -> None:
+    """One 2-turn rollout per reward listed for each task."""
+    client = wrap(openai.OpenAI(base_url=server.base_url, api_key="x"), store=store)
+    for task, rewards in tasks.items():
+        for i, reward in enumerate(rewards):
+            try:
+                with rollout(task, store=store, policy_version=policy_version) as r:
+                    msgs = [{"role": "user", "content": f"{task} try {i}"}]
+                    out = client.chat.completions.create(model="m", messages=msgs, max_tokens=12)
+                    msgs += [{"role": "assistant", "content": out.choices[0].message.content},
+                             {"role": "user", "content": "again"}]
+                    client.chat.completions.create(model="m", messages=msgs, max_tokens=12)
+                    r.reward(reward)
+                    if (task, i) in status_fail:
+                        raise RuntimeError("agent crashed after its reward")
+            except RuntimeError:
+                pass
+
+
+def make_daemon(store: TraceStore, model_dir: Path, tmp_path: Path, **kw) -> TrainerDaemon:
+    group = kw.pop("group", GroupPolicy(group_size=4, groups_per_step=2, min_group_size=2))
+    trainer_id = kw.pop("trainer_id", "trainer-0")
+    start, version = TrainerDaemon.resume_point(store, model_dir, trainer_id)
+    engine = TorchEngine(start, TorchEngineConfig(lr=1e-3, precision="fp32"), policy_version=version)
+    config = TrainerConfig(checkpoint_dir=str(tmp_path / f"ckpt-{trainer_id}"), trainer_id=trainer_id,
+                           group=group, poll_interval_s=0.05, **kw)
+    return TrainerDaemon(store, engine, config)
+
+
+def test_step_consumes_groups_and_commits_version(llm_server, store, model_dir, tmp_path) -> None:
+    run_rollouts(llm_server, store, {"a": [1, 0, 1, 0], "b": [0, 0, 1, 1], "c": [1, 1, 1, 1]})
+    daemon = make_daemon(store, model_dir, tmp_path)
+    [result] = daemon.run(max_steps=1)
+    assert result.step == 1 and result.policy_version == 1
+    m = result.metrics
+    assert m["n_rollouts"] == 8 and m["n_groups"] == 2 and m["reward_mean"] == 0.5
+    assert m["rows_merges"] == 8 and m["rows_prefix_breaks"] == 0  # 2-turn chats merge into one row each
+    assert m["skipped_uniform_reward"] == 4  # group c: all rewards equal, no signal
+    assert m["loss"] == m["loss"] and m["grad_norm"] > 0
+    consumed = store.query_rollouts(consumed=True)
+    assert len(consumed) == 12
+    assert {r.task_id for r in consumed if r.consumed_step == -1} == {"c"}
+    assert store.latest_policy_version() == 1
+    ckpt = store.get_policy_version(1).path
+    assert (Path(ckpt) / "model.safetensors").exists()
+    [step] = store.train_steps()
+    assert len(step.rollout_ids) == 8 and step.metrics["reward_mean"] == 0.5
+    missing = set(STEP_METRICS) - set(step.metrics)
+    assert not missing, f"the daemon no longer writes {sorted(missing)} (records.STEP_METRICS, notebooks)"
+    assert daemon.step_once() is None  # nothing left
+
+
+def test_waits_for_enough_groups_and_skips_bad_rollouts(llm_server, store, model_dir, tmp_path) -> None:
+    run_rollouts(llm_server, store, {"a": [1, 0, 1, 0]}, status_fail={("a", 0)})
+    daemon = make_daemon(store, model_dir, tmp_path)
+    assert daemon.step_once() is None  # one ready group, the step wants two
+    assert store.query_rollouts(claimed=True) == []  # nothing held while waiting
+    run_rollouts(llm_server, store, {"b": [0, 1, 1, 0]})
+    result = daemon.step_once()
+    assert result is not None
+    assert result.metrics["skipped_status_failed"] == 1 and result.metrics["n_rollouts"] == 7
+
+
+def test_staleness_async_and_sync(llm_server, store, model_dir, tmp_path) -> None:
+    run_rollouts(llm_server, store, {"old": [1, 0, 1, 0]}, policy_version=0)
+    run_rollouts(llm_server, store, {"new1": [1, 0, 1, 0], "new2": [0, 1, 0, 1]}, policy_version=5)
+    daemon = make_daemon(store, model_dir, tmp_path, mode="async", max_staleness=2)
+    daemon.engine.policy_version = 5  # as if five steps had been trained
+    result = daemon.step_once()
+    assert result is not None and result.metrics["skipped_stale"] == 4
+    assert {r.task_id for r in store.query_rollouts(consumed=True) if r.consumed_step == -1} == {"old"}
+
+    run_rollouts(llm_server, store, {"s1": [1, 0, 1, 0], "s2": [1, 0, 0, 1]}, policy_version=5)
+    sync = make_daemon(store, model_dir, tmp_path, mode="sync", trainer_id="sync")
+    sync.engine.policy_version = 6
+    assert sync.step_once() is None and sync.skipped_total["stale"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_two_daemons_never_take_the_same_rollout(llm_server, pg_url, model_dir, tmp_path) -> None:
+    store = TraceStore(pg_url)
+    run_rollouts(llm_server, store, {f"t{i}": [1, 0, 0, 1] for i in range(8)})
+    daemons = [make_daemon(TraceStore(pg_url), model_dir, tmp_path, trainer_id=f"d{i}",
+                           group=GroupPolicy(group_size=4, groups_per_step=1)) for i in range(2)]
+    threads = [threading.Thread(target=d.run, kwargs={"idle_timeout_s": 1.0}) for d in daemons]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    steps = store.train_steps()
+    trained = [rid for s in steps for rid in s.rollout_ids]
+    assert len(trained) == len(set(trained)) == 32  # every rollout trained exactly once
+    assert len(steps) == 8  # one group per step
+    per_daemon = {d: sum(1 for s in steps if s.trainer_id == d) for d in ("d0", "d1")}
+    assert min(per_daemon.values()) >= 2, f"the two daemons did not share the work: {per_daemon}"
+
+
+@pytest.mark.slow
+def test_kill_9_mid_run_trains_nothing_twice_and_loses_nothing(llm_server, model_dir, tmp_path) -> None:
+    url = f"sqlite:///{tmp_path / 'crash.db'}"
+    store = TraceStore(url)
+    run_rollouts(llm_server, store, {f"t{i}": [1, 0, 1, 0] for i in range(12)})  # six steps of work
+    cmd = [sys.executable, "-m", "lightning_middleware.cli", "trainer", "--store", url, "--model", str(model_dir),
+           "--checkpoints", str(tmp_path / "ckpt"), "--group-size", "4", "--groups-per-step", "2", "--lr", "1e-3"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not store.train_steps() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.1)  # most likely inside a later step; on a fast machine it may have finished all six
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = store.train_steps()
+    assert done_before, proc.stdout.read().decode()[-2000:]
+    # Six more steps of work arrive while it is down, so the restart always has something to train.
+    run_rollouts(llm_server, store, {f"u{i}": [1, 0, 1, 0] for i in range(12)})
+    # Restart: it releases what the killed run held and carries on from the committed checkpoint.
+    tb = tmp_path / "tb"
+    out = subprocess.run(cmd + ["--max-steps", str(12 - len(done_before)), "--tensorboard", str(tb)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "reward" in out.stdout and list(tb.glob("events.out.tfevents.*"))  # progress lines, TensorBoard
+    steps = store.train_steps()
+    trained = [rid for s in steps for rid in s.rollout_ids]
+    assert len(trained) == len(set(trained)) == 96
+    assert [s.step for s in steps] == list(range(1, 13))
+    assert [s.policy_version for s in steps] == list(range(1, 13))
+    assert store.query_rollouts(consumed=False) == []

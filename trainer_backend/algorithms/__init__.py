@@ -1,0 +1,1 @@
+"""Advantages and losses: one module per algorithm (rollout-level GRPO today)."""

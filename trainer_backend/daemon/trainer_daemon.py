@@ -1,0 +1,324 @@
+"""The trainer daemon: poll the store, build rollout-level GRPO batches, train, publish.
+
+One loop, one step at a time:
+
+    collect   finished train-mode rollouts nobody consumed, grouped by task id;
+              a group is ready at `group_size` rollouts, or after `group_timeout_s`
+              with at least `min_group_size`; groups with no signal (all rewards
+              equal), rollouts without a reward, failed ones and stale ones are
+              skipped -- each counted, none silently.
+    claim     the chosen rollouts (a conditional UPDATE: two daemons on one
+              database never get the same rollout).
+    train     rows from their training calls (rows.py), rollout-level advantages
+              (grpo.py), one engine step.
+    publish   save an HF checkpoint, hot-swap it into the serving engine.
+    commit    the step's metrics, the new policy version and "these rollouts are
+              consumed" in ONE transaction.
+
+Crash safety: a kill -9 anywhere before `commit` leaves the rollouts claimed but
+not consumed; at start the daemon releases its own claims, reloads the latest
+committed checkpoint and republishes it, so no rollout is trained twice into
+the committed lineage and none is lost.
+
+Modes: `async` keeps taking rollouts while agents run; a rollout whose policy
+version lags the current one by more than `max_staleness` is dropped (or kept,
+`stale="keep"`: the PPO ratio against vLLM's behaviour logprobs then corrects
+it). `sync` takes only rollouts sampled by the current version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_middleware import PolicyVersion, Rollout, TraceStore, TrainStep
+from lightning_middleware.rows import RowStats, build_rows_for_rollouts, with_advantages
+from lightning_middleware.store import get_store
+from trainer_backend.engines.base import Engine, Publisher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GroupPolicy:
+    group_size: int = 8  # rollouts per task that make a full GRPO group
+    groups_per_step: int = 16  # a step waits for this many ready groups
+    min_group_size: int = 2  # a timed-out group trains only if it has at least this many
+    group_timeout_s: float = 300.0  # a group older than this is taken with what it has
+    skip_uniform: bool = True  # all rewards equal: zero advantage, no signal -> skip
+    statuses: tuple[str, ...] = ("succeeded",)  # finished statuses that train
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    checkpoint_dir: str
+    trainer_id: str = "trainer-0"  # stable across restarts: used to release claims after a crash
+    mode: str = "async"  # async | sync
+    max_staleness: int = 1  # async: policy versions a rollout may lag
+    stale: str = "drop"  # drop | keep
+    max_len: int | None = None
+    norm_by_std: bool = True  # GRPO std-normalised advantage (False: mean-only)
+    poll_interval_s: float = 0.5
+    keep_checkpoints: int = 3
+    group: GroupPolicy = field(default_factory=GroupPolicy)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("async", "sync"):
+            raise ValueError(f"mode must be 'async' or 'sync', got {self.mode!r}")
+        if self.stale not in ("drop", "keep"):
+            raise ValueError(f"stale must be 'drop' or 'keep', got {self.stale!r}")
+
+
+@dataclass(frozen=True)
+class Batch:
+    rollouts: tuple[Rollout, ...]
+    skipped: dict[str, int]  # reason -> rollouts taken out of the pool without training
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    policy_version: int
+    metrics: dict[str, Any]
+
+
+class TrainerDaemon:
+    """Runs the loop above. Build the engine from `resume_point()` so a restart continues the lineage."""
+
+    def __init__(self, store: TraceStore | str, engine: Engine, config: TrainerConfig,
+                 publisher: Publisher | None = None) -> None:
+        self.store = get_store(store)
+        self.engine = engine
+        self.config = config
+        self.publisher = publisher
+        self.skipped_total: Counter[str] = Counter()
+        self._skipped_since_step: Counter[str] = Counter()
+        self._stop = threading.Event()
+        self._step = self._last_step()
+        released = self.store.release_claims(config.trainer_id)
+        if released:
+            log.warning("released %d rollouts claimed by an earlier run of %s that did not commit",
+                        released, config.trainer_id)
+
+    # -- lifecycle -----------------------------------------------------------
+    @staticmethod
+    def resume_point(store: TraceStore | str, model_dir: str | Path, trainer_id: str = "trainer-0"
+                     ) -> tuple[Path, int]:
+        """(checkpoint to load, its policy version): this trainer's latest committed one, else the base model."""
+        s = get_store(store)
+        latest = s.latest_policy_version(trainer_id)
+        if latest is not None:
+            pv = s.get_policy_version(latest, trainer_id)
+            if pv is not None and pv.path and Path(pv.path).is_dir():
+                return Path(pv.path), latest
+        return Path(model_dir), latest or 0
+
+    def _last_step(self) -> int:
+        steps = [s.step for s in self.store.train_steps(self.config.trainer_id)]
+        return max(steps, default=0)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self, *, max_steps: int | None = None, idle_timeout_s: float | None = None,
+            on_step: Callable[[StepResult], None] | None = None) -> list[StepResult]:
+        """Train until stopped, `max_steps` steps, or `idle_timeout_s` without a batch."""
+        results: list[StepResult] = []
+        idle_since = time.monotonic()
+        while not self._stop.is_set() and (max_steps is None or len(results) < max_steps):
+            result = self.step_once()
+            if result is None:
+                if idle_timeout_s is not None and time.monotonic() - idle_since > idle_timeout_s:
+                    break
+                self._stop.wait(self.config.poll_interval_s)
+                continue
+            idle_since = time.monotonic()
+            results.append(result)
+            if on_step is not None:
+                on_step(result)
+        return results
+
+    # -- one step ------------------------------------------------------------
+    def step_once(self) -> StepResult | None:
+        batch = self.collect()
+        if batch is None:
+            return None
+        return self.train(batch)
+
+    def collect(self) -> Batch | None:
+        """Claim the next batch, or None if not enough usable groups are ready yet."""
+        g = self.config.group
+        trainable: list[tuple[list[Rollout], list[Rollout]]] = []  # (group members, usable members)
+        for members in self._ready_groups():
+            usable, reasons = self._filter(members)
+            if g.skip_uniform and len({r.final_reward for r in usable}) == 1:
+                reasons["uniform_reward"] += len(usable)
+                usable = []
+            if len(usable) < g.min_group_size:
+                reasons["group_too_small"] += len(usable)
+                usable = []
+            if usable:
+                trainable.append((members, usable))
+            elif self._take(members):  # a group with no signal leaves the pool now, counted
+                self._skip(members, reasons)
+        if len(trainable) < g.groups_per_step:
+            return None
+        taken: list[Rollout] = []
+        for members, usable in trainable[: g.groups_per_step]:
+            if not self._take(members):
+                continue
+            _, reasons = self._filter(members)
+            self._skip([r for r in members if r not in usable], reasons)
+            taken.extend(usable)
+        if len({r.task_id for r in taken}) < g.groups_per_step:  # lost groups to another daemon
+            self.store.release_claims(self.config.trainer_id, [r.id for r in taken])
+            return None
+        skipped, self._skipped_since_step = dict(self._skipped_since_step), Counter()
+        return Batch(rollouts=tuple(taken), skipped=skipped)
+
+    def _ready_groups(self) -> list[list[Rollout]]:
+        """Finished, unconsumed train rollouts grouped by task: full groups, or timed-out ones."""
+        g = self.config.group
+        pool = self.store.query_rollouts(mode="train", status=["succeeded", "failed", "timeout"],
+                                         consumed=False, claimed=False)
+        groups: dict[str, list[Rollout]] = {}
+        for r in pool:
+            groups.setdefault(r.task_id, []).append(r)
+        now = time.time()
+        ready = []
+        for members in groups.values():
+            oldest = min(r.ended_at or r.created_at for r in members)
+            if len(members) >= g.group_size or now - oldest > g.group_timeout_s:
+                ready.append(members[: g.group_size])
+        return ready
+
+    def _take(self, members: Sequence[Rollout]) -> bool:
+        """Claim a whole group or nothing (another daemon got part of it)."""
+        ids = [r.id for r in members]
+        got = self.store.claim_rollouts(ids, self.config.trainer_id)
+        if len(got) != len(ids):
+            self.store.release_claims(self.config.trainer_id, got)
+            return False
+        return True
+
+    def _skip(self, rollouts: Sequence[Rollout], reasons: Counter[str]) -> None:
+        if rollouts:
+            self.store.skip_rollouts([r.id for r in rollouts], self.config.trainer_id)
+        self._skipped_since_step.update(reasons)
+        self.skipped_total.update(reasons)
+        if reasons:
+            log.info("skipped rollouts: %s (total %s)", dict(reasons), dict(self.skipped_total))
+
+    def _filter(self, members: Sequence[Rollout]) -> tuple[list[Rollout], Counter[str]]:
+        """Rollouts of a group that may train; the rest counted by reason."""
+        reasons: Counter[str] = Counter()
+        usable = []
+        current = self.engine.policy_version
+        for r in members:
+            if r.status not in self.config.group.statuses:
+                reasons[f"status_{r.status}"] += 1
+            elif r.final_reward is None:
+                reasons["no_reward"] += 1
+            elif self._too_stale(r, current):
+                reasons["stale"] += 1
+            else:
+                usable.append(r)
+        return usable, reasons
+
+    def _too_stale(self, r: Rollout, current: int) -> bool:
+        if r.policy_version is None:
+            return False  # unknown: the agent did not say which version served it
+        lag = current - r.policy_version
+        if self.config.mode == "sync":
+            return lag != 0
+        return lag > self.config.max_staleness and self.config.stale == "drop"
+
+    def train(self, batch: Batch) -> StepResult:
+        t0 = time.perf_counter()
+        rollouts = batch.rollouts
+        calls = self.store.calls_for([r.id for r in rollouts], training_only=True)
+        rows, row_stats = build_rows_for_rollouts(((r, calls[r.id]) for r in rollouts), max_len=self.config.max_len)
+        from trainer_backend.algorithms.grpo import rollout_advantages  # torch: only where training happens
+
+        adv = rollout_advantages({r.id: float(r.final_reward) for r in rollouts},  # type: ignore[arg-type]
+                                 {r.id: r.task_id for r in rollouts}, norm_by_std=self.config.norm_by_std)
+        rows = with_advantages(rows, adv)
+        t_build = time.perf_counter() - t0
+        engine_metrics = self.engine.step(rows) if rows else {}
+        version = self.engine.policy_version
+        if not rows:  # nothing trainable (no token IDs?): keep the version, still consume
+            log.warning("step had no trainable rows (%d rollouts)", len(rollouts))
+        ckpt = self._save(version)
+        publish = self._publish(ckpt, version)
+        self._step += 1
+        metrics = self._metrics(rollouts, rows, row_stats, adv, engine_metrics, batch.skipped, t_build,
+                                time.perf_counter() - t0, publish)
+        self.store.commit_train_step(
+            TrainStep(step=self._step, policy_version=version, metrics=metrics,
+                      rollout_ids=tuple(r.id for r in rollouts), trainer_id=self.config.trainer_id),
+            PolicyVersion(version=version, path=str(ckpt), trainer_id=self.config.trainer_id,
+                          metadata={"step": self._step}),
+        )
+        self._prune_checkpoints(version)
+        log.info("step %d -> version %d: reward %.3f, loss %.4f, %d rows, %.1fs", self._step, version,
+                 metrics["reward_mean"], metrics.get("loss", float("nan")), len(rows), metrics["step_time_s"])
+        return StepResult(step=self._step, policy_version=version, metrics=metrics)
+
+    # -- helpers -------------------------------------------------------------
+    def _save(self, version: int) -> Path:
+        out = Path(self.config.checkpoint_dir) / f"v{version:06d}"
+        if out.exists():  # left by a step that crashed before committing
+            shutil.rmtree(out)
+        return self.engine.save(out)
+
+    def _publish(self, ckpt: Path, version: int) -> dict[str, Any]:
+        if self.publisher is None:
+            return {}
+        result = self.publisher.publish(ckpt, version)
+        if dataclasses.is_dataclass(result) and not isinstance(result, type):
+            return {f"publish_{k}": v for k, v in dataclasses.asdict(result).items()
+                    if isinstance(v, (int, float, bool, str))}
+        return {}
+
+    def _prune_checkpoints(self, current: int) -> None:
+        root = Path(self.config.checkpoint_dir)
+        versions = sorted(p for p in root.glob("v*") if p.is_dir())
+        for old in versions[: max(0, len(versions) - self.config.keep_checkpoints)]:
+            if old.name != f"v{current:06d}":
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _metrics(self, rollouts: Sequence[Rollout], rows: Sequence[Any], row_stats: RowStats,
+                 adv: dict[str, float], engine_metrics: dict[str, float], skipped: dict[str, int],
+                 t_build: float, t_total: float, publish: dict[str, Any]) -> dict[str, Any]:
+        rewards = [float(r.final_reward or 0.0) for r in rollouts]
+        mean = sum(rewards) / len(rewards)
+        std = (sum((x - mean) ** 2 for x in rewards) / max(1, len(rewards) - 1)) ** 0.5
+        current = self.engine.policy_version - (1 if rows else 0)
+        lags = [current - r.policy_version for r in rollouts if r.policy_version is not None]
+        advs = list(adv.values())
+        return {
+            **{k: float(v) for k, v in engine_metrics.items() if isinstance(v, (int, float))},
+            "reward_mean": mean,
+            "reward_std": std,
+            "success_rate": sum(1 for x in rewards if x > 0) / len(rewards),
+            "adv_mean": sum(advs) / len(advs),
+            "adv_abs_mean": sum(abs(a) for a in advs) / len(advs),
+            "n_rollouts": len(rollouts),
+            "n_groups": len({r.task_id for r in rollouts}),
+            "n_rows": len(rows),
+            "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
+            "staleness_max": max(lags, default=0),
+            "batch_build_s": t_build,
+            "step_time_s": t_total,
+            **{f"rows_{k}": v for k, v in row_stats.as_dict().items()},
+            **{f"skipped_{k}": v for k, v in skipped.items()},
+            **publish,
+        }

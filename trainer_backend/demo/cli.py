@@ -1,0 +1,105 @@
+"""`lightning-mw demo` and `lightning-mw demo-compare`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainer_backend.demo.report import plot_curve
+from trainer_backend.demo.run import DemoConfig, run_demo
+
+
+def add_cli(sub: Any) -> None:
+    p = sub.add_parser("demo", help="train a small LangChain tool agent with RL on CPU (vLLM + store + trainer)",
+                       description="train a small LangChain tool agent with RL on CPU, end to end")
+    d = DemoConfig()
+    p.add_argument("--out", default=None, help="output dir (default runs/demo-SEED-MODE)")
+    p.add_argument("--seed", type=int, default=d.seed, help="RL seed: which train/eval tasks")
+    p.add_argument("--warm-start-seed", type=int, default=d.warm_start_seed)
+    p.add_argument("--minutes", type=float, default=d.minutes, help="RL time budget")
+    p.add_argument("--sync", action="store_true", help="sync RL (no rollouts during updates), for comparison")
+    p.add_argument("--eval-tasks", type=int, default=d.eval_tasks)
+    p.add_argument("--groups-per-step", type=int, default=d.groups_per_step)
+    p.add_argument("--group-size", type=int, default=d.group_size)
+    p.add_argument("--groups-in-flight", type=int, default=d.groups_in_flight)
+    p.add_argument("--max-staleness", type=int, default=d.max_staleness)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--dual-clip", type=float, default=d.dual_clip,
+                   help="PPO dual clip c (> 1) for negative advantages; 0 turns it off")
+    p.add_argument("--lr-warmup-steps", type=int, default=d.lr_warmup_steps)
+    p.add_argument("--lr-end", type=float, default=d.lr_end,
+                   help="learning rate reached at the end of the budget (linear decay); 0 or less: constant")
+    p.add_argument("--sft-steps", type=int, default=None, help="warm-start SFT steps (default: the recipe's)")
+    p.add_argument("--model", default=None, help="start from this model folder instead of the warm start")
+    p.add_argument("--threads", type=int, default=None, help="torch threads in the trainer")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="RL budget in steps (the lr schedule decays over it); --minutes still caps the time")
+    p.add_argument("--warm-start-precision", choices=("auto", "bf16", "fp32"), default=d.warm_start_precision,
+                   help="warm-start SFT precision (auto: bf16 only where the CPU computes it natively and faster)")
+    p.add_argument("--no-greedy", action="store_true", help="skip the greedy evaluations")
+    p.set_defaults(func=run_cli)
+
+    c = sub.add_parser("demo-compare", help="plot the reward curves of several demo runs in one image")
+    c.add_argument("runs", nargs="+", help="LABEL=DIR (a demo output dir with results.json)")
+    c.add_argument("--out", required=True)
+    c.set_defaults(func=compare_cli)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    mode = "sync" if args.sync else "async"
+    cfg = DemoConfig(out_dir=args.out or f"runs/demo-{args.seed}-{mode}", seed=args.seed, minutes=args.minutes,
+                     warm_start_seed=args.warm_start_seed,
+                     mode=mode, eval_tasks=args.eval_tasks, groups_per_step=args.groups_per_step,
+                     group_size=args.group_size, groups_in_flight=args.groups_in_flight,
+                     max_staleness=args.max_staleness, lr=args.lr,
+                     dual_clip=args.dual_clip if args.dual_clip and args.dual_clip > 0 else None,
+                     lr_end=args.lr_end if args.lr_end and args.lr_end > 0 else None,
+                     lr_warmup_steps=max(0, args.lr_warmup_steps),
+                     sft_steps=args.sft_steps, warm_start_precision=args.warm_start_precision,
+                     threads=args.threads, model_dir=args.model,
+                     max_steps=args.max_steps, greedy=not args.no_greedy,
+                     progress=sys.stderr.isatty() or os.environ.get("LIGHTNING_PROGRESS") == "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+    for name in ("httpx", "httpx2", "openai", "lightning_middleware.controller", "lightning_middleware.rows",
+                 "trainer_backend.daemon", "trainer_backend.engines", "trainer_backend.serving"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    def _interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as cleanly as Ctrl-C
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background by a shell
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        run_demo(cfg)
+    except KeyboardInterrupt:
+        print("\nstopped (server, trainer and rollouts shut down)", flush=True)
+        return 130
+    return 0
+
+
+def compare_cli(args: argparse.Namespace) -> int:
+    runs = []
+    for spec in args.runs:
+        label, _, d = spec.partition("=")
+        runs.append((label, json.loads((Path(d) / "results.json").read_text())))
+    print(plot_curve(runs, args.out))
+    return 0
+
+
+if __name__ == "__main__":  # python -m trainer_backend.demo.cli ... == lightning-mw demo ...
+    from lightning_middleware.cli import main
+
+    sys.exit(main(["demo", *sys.argv[1:]]))

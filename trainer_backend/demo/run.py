@@ -1,0 +1,394 @@
+"""`lightning-mw demo`: train a small LangChain tool agent with RL on CPU, end to end.
+
+The whole middleware path, for real:
+
+    vLLM CPU server  <-HTTP-  LangChain agent (ChatOpenAI, wrapped by one line)
+         ^                         | wrap() records token IDs + logprobs
+         | hot swap                v
+    TrainerDaemon  <-poll-  SQLite trace store  <-  RolloutController (continuous)
+
+`DemoRun` does it in five steps, one method each:
+
+1. `warm_start`: a ~1M-parameter Qwen2-style model and a BPE tokenizer built locally, then a
+   short SFT on bisection episodes (cached under $LIGHTNING_HOME/demo),
+2. `serve`: the vLLM CPU server on it, the controller that runs the agent,
+3. `evaluate`: held-out tasks, sampled at temperature 1 (and greedy),
+4. `train`: RL for a time (or step) budget: the controller keeps rollout groups running
+   (async: while the trainer updates; sync: generate a batch, train, swap, repeat); the
+   trainer daemon claims groups from the store, does a rollout-level GRPO step and publishes
+   the weights into the running server,
+5. `report`: the same evaluation again, OUT/results.json and OUT/reward_curve.png.
+
+Ctrl-C stops everything (controller, trainer, server).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_middleware.controller import RolloutController, RolloutResult
+from lightning_middleware.store import TraceStore
+from trainer_backend.daemon.trainer_daemon import GroupPolicy, StepResult, TrainerConfig, TrainerDaemon
+from trainer_backend.demo.agent import SERVED_NAME, evaluate, make_agent
+from trainer_backend.demo.report import plot_curve
+from trainer_backend.demo.task import make_tasks
+from trainer_backend.demo.warm_start import WarmStartConfig, warm_start
+from trainer_backend.serving.env import ensure_vllm_env, lightning_home
+from trainer_backend.serving.publisher import WeightPublisher
+from trainer_backend.serving.server import VLLMServer
+
+if TYPE_CHECKING:  # torch is imported when training starts
+    from trainer_backend.engines.torch_engine import TorchEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DemoConfig:
+    out_dir: str = "runs/demo"
+    seed: int = 0  # RL: train/eval task draws (vLLM sampling itself is not seeded, see make_agent)
+    warm_start_seed: int = 0  # the warm start (tokenizer, init, SFT order); shared by RL seeds, cached
+    minutes: float = 10.0  # RL wall-clock budget (evaluations and startup not included); a cap with max_steps
+    mode: str = "async"  # async | sync
+    eval_tasks: int = 256
+    train_tasks: int = 4096
+    group_size: int = 8
+    groups_per_step: int = 8
+    groups_in_flight: int = 16  # async: groups kept running while the trainer updates
+    max_staleness: int = 2
+    lr: float = 3e-4  # peak: higher peaks were unstable in async mode (docs/demo.md)
+    lr_end: float | None = 1e-4  # linear decay from lr to lr_end over the RL budget; None: constant
+    lr_warmup_steps: int = 10  # Adam's first steps move every weight by ~lr: start small
+    clip: float = 0.2
+    dual_clip: float | None = 3.0  # c > 1: bound -A*ratio at -A*c for A < 0 (stale rollouts' large ratios)
+    sft_steps: int | None = None  # None: WarmStartConfig's default
+    warm_start_precision: str = "auto"  # bf16 autocast where native and faster, else fp32
+    model_dir: str | None = None  # start from this HF folder instead of the cached warm start
+    greedy: bool = True  # also evaluate greedily
+    concurrency: int = 128
+    threads: int | None = None  # torch threads in the trainer (None: 1 in async mode, all cores in sync)
+    max_steps: int | None = None  # RL budget in steps (the lr decays over it); `minutes` still caps the time
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """Warm start, serve, evaluate, train, evaluate again. Returns the results (also written to
+    OUT/results.json, with OUT/reward_curve.png)."""
+    if cfg.mode not in ("async", "sync"):
+        raise ValueError(f"mode must be async or sync, not {cfg.mode!r}")
+    run = DemoRun(cfg)
+    try:
+        run.warm_start()
+        run.serve()
+        run.results["before"] = run.evaluate("before")
+        run.train()
+        run.results["after"] = run.evaluate("after")
+        return run.report()
+    finally:
+        run.close()
+
+
+class DemoRun:
+    """One demo run's state; the steps are called in order by `run_demo`."""
+
+    def __init__(self, cfg: DemoConfig) -> None:
+        from trainer_backend.engines.precision import describe_machine
+
+        self.cfg = cfg
+        self.out = Path(cfg.out_dir).resolve()
+        self.timings: dict[str, float] = {}
+        self.t_all = time.perf_counter()
+        self.results: dict[str, Any] = {"config": asdict(cfg), "machine": describe_machine()}
+        self.eval_tasks = make_tasks(cfg.eval_tasks, cfg.seed, "eval")
+        self.train_tasks = make_tasks(cfg.train_tasks, cfg.seed, "train")
+        self.model_dir = Path(cfg.model_dir) if cfg.model_dir else None
+        self.store: TraceStore | None = None
+        self.server: VLLMServer | None = None
+        self.controller: RolloutController | None = None
+        self.daemon: TrainerDaemon | None = None
+        self._threads: list[threading.Thread] = []
+        self._timer: threading.Timer | None = None
+
+    # -- 1. warm start ----------------------------------------------------------------
+    def warm_start(self) -> None:
+        cfg = self.cfg
+        ws = WarmStartConfig(seed=cfg.warm_start_seed, precision=cfg.warm_start_precision,
+                             **({"sft_steps": cfg.sft_steps} if cfg.sft_steps else {})).resolved()
+        self.results["warm_start"] = asdict(ws)
+        say(f"[1/5] warm start (cached under {lightning_home() / 'demo'})")
+        say(f"      SFT in {ws.precision} ({'native bf16' if ws.precision == 'bf16' else 'no fast bf16 on this CPU'})")
+        t0 = time.perf_counter()
+        if self.model_dir is None:
+            self.model_dir = warm_start(lightning_home() / "demo" / f"warmstart-{ws.key()}", ws, progress=cfg.progress)
+        self.timings["warm_start_s"] = time.perf_counter() - t0
+        self.results["model_dir"] = str(self.model_dir)
+
+    # -- 2. serve ----------------------------------------------------------------------
+    def serve(self) -> None:
+        assert self.model_dir is not None
+        if self.out.exists():  # a rerun starts a fresh store and checkpoints; the warm start is reused
+            shutil.rmtree(self.out)
+        self.out.mkdir(parents=True)
+        store = self.store = TraceStore(f"sqlite:///{self.out / 'traces.db'}")
+        say("[2/5] starting the vLLM CPU server")
+        ensure_vllm_env()
+        t0 = time.perf_counter()
+        self.server = VLLMServer(self.model_dir, dtype="float32", served_model_name=SERVED_NAME, max_model_len=1024,
+                                 log_path=self.out / "vllm.log", extra_args=["--max-num-seqs", "256"]).start()
+        self.timings["server_start_s"] = time.perf_counter() - t0
+        self.controller = RolloutController(
+            make_agent(self.server.base_url, store), store=store, backend="asyncio",
+            concurrency=self.cfg.concurrency, timeout_s=120,
+            policy_version=lambda: store.latest_policy_version() or 0,
+            policy_version_ttl_s=0.0)  # sync mode must never tag a stale version
+
+    # -- 3. evaluate -------------------------------------------------------------------
+    def evaluate(self, tag: str) -> dict[str, Any]:
+        assert self.controller is not None
+        step = "[3/5] baseline" if tag == "before" else "[5/5] after RL: evaluating"
+        say(f"{step} on {len(self.eval_tasks)} held-out tasks")
+        res = {"sampled": evaluate(self.controller, self.eval_tasks, temperature=1.0, tag=f"{tag}-t1")}
+        if self.cfg.greedy:
+            res["greedy"] = evaluate(self.controller, self.eval_tasks, temperature=0.0, tag=f"{tag}-greedy")
+        say(f"      success {res['sampled']['success']:.1%} sampled (T=1)"
+            + (f", {res['greedy']['success']:.1%} greedy" if self.cfg.greedy else ""))
+        return res
+
+    # -- 4. train ----------------------------------------------------------------------
+    def train(self) -> None:
+        import torch
+
+        from trainer_backend.algorithms.grpo import LossConfig
+        from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig
+
+        cfg, store, controller = self.cfg, self.store, self.controller
+        assert store is not None and controller is not None and self.server is not None and self.model_dir
+        # async: one trainer thread, the other core samples; sync: vLLM idles while the trainer
+        # runs, so torch's default (all cores). As measured in docs/benchmarks.md.
+        torch.set_num_threads(cfg.threads or (1 if cfg.mode == "async" else (os.cpu_count() or 1)))
+        # fp32 on every CPU kind: the recipe was tuned in fp32, and RL's probability ratios
+        # compare against vLLM's fp32 log-probs.
+        engine = TorchEngine(self.model_dir, TorchEngineConfig(
+            lr=lr_at(cfg, 1, 0.0), freeze_embeddings=True, precision="fp32",
+            loss=LossConfig(clip_low=cfg.clip, clip_high=cfg.clip, dual_clip_c=cfg.dual_clip)))
+        daemon = self.daemon = TrainerDaemon(
+            store, engine,
+            TrainerConfig(checkpoint_dir=str(self.out / "checkpoints"), mode=cfg.mode, max_staleness=cfg.max_staleness,
+                          group=GroupPolicy(group_size=cfg.group_size, groups_per_step=cfg.groups_per_step,
+                                            group_timeout_s=600)),
+            WeightPublisher(self.server.url))
+        say(f"[4/5] RL for {cfg.minutes:g} min ({cfg.mode})" + (f" or {cfg.max_steps} steps" if cfg.max_steps else "")
+            + f": {cfg.groups_per_step} tasks x {cfg.group_size} samples per step, lr {cfg.lr:g} "
+            f"(warm-up {cfg.lr_warmup_steps} steps" + (f", then to {cfg.lr_end:g} by the end)" if cfg.lr_end is not None
+                                                       else ")"))
+        loop = _TrainingLoop(cfg, controller, daemon, engine)
+        self._timer = threading.Timer(cfg.minutes * 60, loop.stop)
+        self._timer.daemon = True
+        self._timer.start()
+        t_rl = time.perf_counter()
+        if cfg.mode == "async":
+            self._threads = loop.run_async(self.train_tasks)
+        else:
+            loop.run_sync(self.train_tasks)
+        self.timings["rl_s"] = time.perf_counter() - t_rl
+        controller.resume()  # the evaluation after RL runs through the same controller
+        curve = loop.curve
+        self.results.update(curve=curve, steps=len(curve), trained_rollouts=int(sum(c["rollouts"] for c in curve)),
+                            skipped_total=dict(daemon.skipped_total))
+
+    # -- 5. report ---------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        import json
+
+        res, cfg = self.results, self.cfg
+        self.timings["total_s"] = time.perf_counter() - self.t_all
+        res["timings"] = self.timings
+        res["load_avg"] = os.getloadavg()
+        before, after = res["before"], res["after"]
+        gain = after["sampled"]["success"] - before["sampled"]["success"]
+        res["gain_pp"] = 100 * gain
+        (self.out / "results.json").write_text(json.dumps(res, indent=2, default=str))
+        plot_curve(res, self.out / "reward_curve.png")
+        say(f"\nheld-out success, sampled (T=1): {before['sampled']['success']:.1%} -> "
+            f"{after['sampled']['success']:.1%} ({100 * gain:+.1f} pp)")
+        if cfg.greedy:
+            say(f"held-out success, greedy:        {before['greedy']['success']:.1%} -> "
+                f"{after['greedy']['success']:.1%}")
+        say(f"{res['steps']} steps, {res['trained_rollouts']} rollouts trained in {self.timings['rl_s'] / 60:.1f} min; "
+            f"curve: {self.out / 'reward_curve.png'}")
+        return res
+
+    def close(self) -> None:
+        """Stop everything that runs; a second Ctrl-C meanwhile must not skip the cleanup."""
+        main = threading.current_thread() is threading.main_thread()
+        handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        try:
+            if self._timer is not None:
+                self._timer.cancel()
+            if self.daemon is not None:
+                self.daemon.stop()
+            if self.controller is not None:
+                self.controller.stop()
+                for t in self._threads:
+                    t.join(timeout=30)
+                self.controller.close()
+            if self.server is not None:
+                self.server.stop()
+            if self.store is not None:
+                self.store.close()
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+
+class _TrainingLoop:
+    """The RL phase: rollouts and trainer steps, the lr schedule, the curve, the budget."""
+
+    def __init__(self, cfg: DemoConfig, controller: RolloutController, daemon: TrainerDaemon,
+                 engine: TorchEngine) -> None:
+        self.cfg, self.controller, self.daemon, self.engine = cfg, controller, daemon, engine
+        self.stopping = threading.Event()
+        self.curve: list[dict[str, Any]] = []
+        # Success over ALL train rollouts that finished since the previous step: the trained
+        # batch alone is biased (groups whose rewards are all equal carry no signal and are skipped).
+        self.finished: list[float] = []
+        self.seen = 0
+        self.trained = 0
+        self.t0 = time.perf_counter()
+        self.bar = _progress(cfg)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.daemon.stop()
+
+    def on_group(self, group: list[RolloutResult]) -> None:
+        self.finished.extend(float(r.reward or 0.0) for r in group)
+
+    def on_step(self, res: StepResult) -> None:
+        m, cfg = res.metrics, self.cfg
+        lr_used = self.engine.lr
+        # the next step's learning rate
+        self.engine.set_lr(lr_at(cfg, res.step + 1, spent(cfg, res.step, time.perf_counter() - self.t0)))
+        self.trained += int(m.get("n_rollouts", 0))
+        new, self.seen = self.finished[self.seen:], len(self.finished)
+        success = sum(1 for x in new if x >= 1.0) / len(new) if new else float("nan")
+        self.curve.append({
+            "step": res.step, "t_s": time.perf_counter() - self.t0, "version": res.policy_version,
+            "success": success, "finished": len(new), "batch_reward": m["reward_mean"],
+            "batch_success": m["success_rate"], "rollouts": m.get("n_rollouts", 0), "kl": m.get("approx_kl"),
+            "lr": lr_used, "clip_frac": m.get("clip_frac"), "step_time_s": m.get("step_time_s"),
+            "staleness_max": m.get("staleness_max"), "entropy": m.get("entropy"), "grad_norm": m.get("grad_norm"),
+            "ratio_max": m.get("ratio_max"), "clip_frac_lower": m.get("clip_frac_lower"),
+            **{k: v for k, v in m.items() if k.startswith(("skipped_", "rows_"))}})
+        if self.bar is not None:
+            recent = [c["success"] for c in self.curve[-5:] if c["success"] == c["success"]]
+            self.bar.n = min(int(self.curve[-1]["t_s"]), int(cfg.minutes * 60))
+            self.bar.set_postfix_str(f"step {res.step}  reward {success:.2f}  "
+                                     f"avg5 {sum(recent) / max(1, len(recent)):.2f}  kl {m.get('approx_kl', 0.0):.3f}")
+            self.bar.refresh()
+        if cfg.max_steps is not None and res.step >= cfg.max_steps:
+            self.stop()
+
+    def run_async(self, tasks: list[dict[str, Any]]) -> list[threading.Thread]:
+        """Rollouts keep running while the trainer updates; returns the threads to join."""
+        cfg = self.cfg
+        rollouts = self.controller.start_continuous(tasks, n=cfg.group_size, groups_in_flight=cfg.groups_in_flight,
+                                                    on_group=self.on_group)
+        bp = threading.Thread(target=self._backpressure, daemon=True, name="demo-backpressure")
+        bp.start()
+        self.daemon.run(on_step=self.on_step)
+        self.stopping.set()
+        self.controller.stop()
+        self._close_bar()
+        rollouts.join(timeout=120)
+        bp.join(timeout=5)
+        return [rollouts, bp]
+
+    def _backpressure(self) -> None:
+        """Bounded staleness by back-pressure: at most `max_staleness` batches of train rollouts
+        running or finished and not yet trained/skipped by the daemon. Without it the generator
+        (2x faster than the trainer here) fills the pool with rollouts that go stale and are
+        dropped, and takes the CPU the trainer needs."""
+        cfg, controller = self.cfg, self.controller
+        ahead = cfg.max_staleness * cfg.groups_per_step * cfg.group_size
+        while not self.stopping.is_set():
+            taken = self.trained + sum(self.daemon.skipped_total.values())
+            outstanding = controller.in_flight + len(self.finished) - taken
+            if outstanding >= ahead and not controller.paused:
+                controller.pause()
+            elif outstanding < ahead and controller.paused:
+                controller.resume()
+            self.stopping.wait(0.1)
+        controller.resume()
+
+    def run_sync(self, tasks: list[dict[str, Any]]) -> None:
+        """Sample a batch with the current weights, train, swap, repeat (no overlap). Groups with
+        no signal (all rewards equal) are skipped by the daemon; only that many are sampled again."""
+        cfg, i, need = self.cfg, 0, self.cfg.groups_per_step
+        while not self.stopping.is_set():
+            batch = [tasks[(i + k) % len(tasks)] for k in range(need)]
+            i += need
+            self.on_group(self.controller.run(batch, n=cfg.group_size))
+            if self.stopping.is_set():
+                break
+            skipped_before = sum(self.daemon.skipped_total.values())
+            res = self.daemon.step_once()
+            if res is None:  # too few groups had signal
+                lost = sum(self.daemon.skipped_total.values()) - skipped_before
+                need = max(1, lost // cfg.group_size)
+            else:
+                need = cfg.groups_per_step
+                self.on_step(res)
+        self._close_bar()
+
+    def _close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.n = int(self.cfg.minutes * 60)
+            self.bar.close()
+            self.bar = None
+
+
+def lr_at(cfg: DemoConfig, step: int, spent: float) -> float:
+    """The learning rate of RL step `step` (1-based) with `spent` of the budget used.
+
+    Linear warm-up over the first `lr_warmup_steps` steps (Adam's first updates move every
+    weight by ~lr, whatever the gradient's size), then a linear decay by the share of the
+    budget spent, to `lr_end` at its end.
+    """
+    if step <= cfg.lr_warmup_steps:
+        return cfg.lr * step / cfg.lr_warmup_steps
+    if cfg.lr_end is None:
+        return cfg.lr
+    return cfg.lr + (cfg.lr_end - cfg.lr) * min(1.0, max(0.0, spent))
+
+
+def spent(cfg: DemoConfig, step: int, elapsed_s: float) -> float:
+    """Share of the RL budget used after `step` steps and `elapsed_s` seconds: the larger of the
+    time share and, with max_steps, the step share (a step budget ends where the time cap would)."""
+    share = elapsed_s / (cfg.minutes * 60)
+    if cfg.max_steps:
+        share = max(share, step / cfg.max_steps)
+    return share
+
+
+def _progress(cfg: DemoConfig) -> Any:
+    if not cfg.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=int(cfg.minutes * 60), unit="s", desc="RL", dynamic_ncols=True,
+                bar_format="{desc} {bar} {n_fmt}/{total_fmt}s {postfix}")
+
+
+def say(msg: str) -> None:
+    """The demo's console output (a user-facing command, not a log)."""
+    print(msg, flush=True)

@@ -1,0 +1,334 @@
+"""An in-process PyTorch training engine (one machine, CPU or one GPU) over transformers.
+
+One `step(rows)` is one optimizer update:
+  1. per-token loss weights over all rows of the step (grpo.loss_weights),
+  2. old log-probs: vLLM's behaviour log-probs, or recomputed by a no-grad forward
+     (config `old_logprobs="recompute"`, and always for rows that lack them),
+  3. micro-batches of padded rows: forward, PPO loss, backward (gradients accumulate;
+     the step-normalised weights make the sum exact, so no rescaling happens here),
+  4. grad-norm clip, AdamW step, policy_version += 1.
+
+The `Engine` protocol is what the trainer daemon uses, so a verl engine can sit behind it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import shutil
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from lightning_middleware.rows import Row
+from trainer_backend.algorithms.grpo import LossConfig, loss_weights, policy_loss, token_logprobs_entropy
+from trainer_backend.engines.precision import resolve_precision
+
+log = logging.getLogger(__name__)
+
+# Files a serving engine needs besides config + weights; copied from the source dir by save().
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+)
+
+
+@dataclass(frozen=True)
+class TorchEngineConfig:
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    loss: LossConfig = LossConfig()
+    micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) per micro-batch
+    old_logprobs: str = "behaviour"  # "behaviour" (vLLM's) | "recompute" (current weights, before the update)
+    freeze_embeddings: bool = False  # with tied embeddings this also freezes the LM head
+    # "fp32"; "bf16-autocast": fp32 weights, matmuls in bf16 under torch.autocast (a cast per weight
+    # per micro-batch); "bf16": weights, activations and gradients in bf16, with fp32 master weights
+    # and AdamW state that the optimizer updates and copies back (no per-op casts; the fastest on
+    # CPUs with AVX512-BF16, see docs/benchmarks.md); "auto": "bf16" where the device computes bf16
+    # natively and faster than fp32 (trainer_backend.engines.precision's probe), else "fp32".
+    precision: str = "auto"
+    gradient_checkpointing: bool = False
+    # torch.compile each decoder layer (inductor fuses norms, rotary, SiLU and residual adds): ~8-10%
+    # faster steps on CPU once compiled. The first steps pay the compilation (15-60 s on 2 cores;
+    # a new batch shape recompiles once more, then torch marks the dimensions dynamic).
+    compile: bool = False
+    reference_model: bool = False  # keep a frozen copy of the start weights for KL; implied by loss.kl_coef > 0
+
+
+PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16")
+
+
+# ---------------------------------------------------------------- batching
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Padded tensors for some rows; per-token tensors are shifted to the predicted position."""
+
+    index: tuple[int, ...]  # positions of these rows in the step
+    input_ids: torch.Tensor  # (B, T)
+    attention_mask: torch.Tensor  # (B, T)
+    targets: torch.Tensor  # (B, T-1): input_ids[:, 1:]
+    weights: torch.Tensor  # (B, T-1)
+    advantages: torch.Tensor  # (B, T-1)
+    behaviour_logp: torch.Tensor  # (B, T-1); 0 where unknown
+    has_behaviour: torch.Tensor  # (B,) bool
+
+
+def split_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Greedy, in order: add rows while rows x longest row stays within max_tokens (a row alone always fits)."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if current and (len(current) + 1) * max(longest, n) > max_tokens:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def make_micro_batch(rows: Sequence[Row], index: Sequence[int], weights: Sequence[torch.Tensor],
+                     pad_id: int = 0) -> MicroBatch:
+    T = max(len(rows[i]) for i in index)
+    B = len(index)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    w = torch.zeros(B, T)
+    blp = torch.zeros(B, T)
+    has = torch.zeros(B, dtype=torch.bool)
+    for b, i in enumerate(index):
+        row, n = rows[i], len(rows[i])
+        ids[b, :n] = torch.tensor(row.input_ids)
+        attn[b, :n] = 1
+        w[b, :n] = weights[i]
+        if row.behaviour_logprobs is not None:
+            blp[b, :n] = torch.tensor(row.behaviour_logprobs)
+            has[b] = True
+    adv = torch.tensor([rows[i].advantage for i in index], dtype=torch.float32).unsqueeze(-1).expand(B, T - 1)
+    return MicroBatch(index=tuple(index), input_ids=ids, attention_mask=attn, targets=ids[:, 1:],
+                      weights=w[:, 1:], advantages=adv, behaviour_logp=blp[:, 1:], has_behaviour=has)
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class TorchEngine:
+    """Trains a transformers causal LM in this process. Satisfies `Engine`."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: TorchEngineConfig = TorchEngineConfig(),
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        policy_version: int = 0,
+    ) -> None:
+        if config.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, not {config.precision!r}")
+        config = replace(config, precision=resolve_precision(config.precision, device=torch.device(device).type))
+        if config.precision == "bf16" and dtype != torch.float32:
+            raise ValueError("precision='bf16' keeps fp32 master weights: load the model with dtype=torch.float32")
+        self.source_dir = Path(model_dir)
+        self.config = config
+        self.device = torch.device(device)
+        self.policy_version = policy_version
+        model: Any = AutoModelForCausalLM.from_pretrained(self.source_dir, dtype=dtype)
+        self.model: Any = model.to(self.device)
+        self.model.train()
+        if config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.config.use_cache = False
+        if config.freeze_embeddings:
+            self.model.get_input_embeddings().weight.requires_grad_(False)
+        self.ref_model = None
+        if config.reference_model or config.loss.kl_coef > 0:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # The optimizer's parameters: the model's own, or fp32 masters of the bf16 model's.
+        self.master = self.params
+        if config.precision == "bf16":
+            self.master = [p.detach().clone() for p in self.params]
+            self.model.to(torch.bfloat16)
+            if self.ref_model is not None:
+                self.ref_model.to(torch.bfloat16)
+        if config.compile:  # after the reference copy, which stays eager
+            self._compile_layers()
+        # fused: one kernel for all parameters instead of a loop of small ops per tensor
+        self.optimizer = torch.optim.AdamW(self.master, lr=config.lr, betas=config.betas, eps=config.adam_eps,
+                                           weight_decay=config.weight_decay,
+                                           fused=self.device.type in ("cpu", "cuda"))
+        pad = self.model.config.pad_token_id
+        self.pad_id = int(pad) if pad is not None else 0
+        log.info("TorchEngine: %s, %.2fM trainable params, %s, version %d", self.source_dir,
+                 sum(p.numel() for p in self.params) / 1e6, config.precision, policy_version)
+
+    def _compile_layers(self) -> None:
+        """Compile the repeated decoder layers (one graph serves them all), not the whole model:
+        the embedding, output layer and our log-prob function stay eager and shape-agnostic."""
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        if layers is None:
+            raise ValueError(f"compile=True needs a decoder with .model.layers; {type(self.model).__name__} has none")
+        for layer in layers:
+            layer.compile()
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_lr(self, lr: float) -> None:
+        """Learning rate for the following steps (a schedule lives with the caller, e.g. the demo's)."""
+        if not lr > 0:
+            raise ValueError(f"learning rate must be positive, got {lr}")
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    # -- forward helpers
+
+    def _autocast(self):
+        if self.config.precision == "bf16-autocast":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _forward(self, model: torch.nn.Module, mb: MicroBatch, with_entropy: bool):
+        """Per-token log-probs of the targets (B, T-1) and, optionally, entropies.
+
+        Only positions that predict a trained token (weight != 0 in some row) get
+        logits: prompts and tool results are most of an agent's tokens, and the
+        output layer plus the vocabulary softmax are a large share of a small
+        model's step. Other positions read 0 and carry weight 0 everywhere.
+        The vocabulary-wide work (log-softmax, entropy, their backward) runs in
+        cache-sized chunks on the logits in their own dtype (grpo.token_logprobs_entropy).
+        """
+        keep = (mb.weights != 0).any(0).nonzero().squeeze(-1).to(self.device)
+        with self._autocast():
+            logits = model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device),
+                           use_cache=False, logits_to_keep=keep).logits  # (B, K, V)
+        targets = mb.targets.to(self.device)[:, keep]
+        logp_k, ent_k = token_logprobs_entropy(logits, targets, with_entropy)
+        logp = logp_k.new_zeros(mb.targets.shape).index_copy(1, keep, logp_k)
+        entropy = None
+        if ent_k is not None:
+            if not self.config.loss.entropy_coef:
+                ent_k = ent_k.detach()  # a metric only: no backward through it
+            entropy = ent_k.new_zeros(mb.targets.shape).index_copy(1, keep, ent_k)
+        return logp, entropy
+
+    @torch.no_grad()
+    def _old_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        """Behaviour log-probs where the row has them and the config uses them, else recomputed."""
+        use_behaviour = (mb.has_behaviour if self.config.old_logprobs == "behaviour"
+                         else torch.zeros_like(mb.has_behaviour))
+        if bool(use_behaviour.all()):
+            return mb.behaviour_logp.to(self.device)
+        recomputed, _ = self._forward(self.model, mb, with_entropy=False)
+        keep = use_behaviour.to(self.device).unsqueeze(-1)
+        return torch.where(keep, mb.behaviour_logp.to(self.device), recomputed)
+
+    # -- the update
+
+    def step(self, rows: Sequence[Row]) -> dict[str, float]:
+        """One optimizer update on all rows (advantages already set on them). Returns metrics."""
+        if not rows:
+            raise ValueError("step() needs at least one row")
+        if self.config.old_logprobs not in ("behaviour", "recompute"):
+            raise ValueError(f"old_logprobs must be 'behaviour' or 'recompute', not {self.config.old_logprobs!r}")
+        t0 = time.perf_counter()
+        cfg = self.config.loss
+        weights = loss_weights([torch.tensor(r.loss_mask) for r in rows], [r.rollout_id for r in rows], cfg.agg)
+        batches = [make_micro_batch(rows, idx, weights, self.pad_id)
+                   for idx in split_micro_batches([len(r) for r in rows], self.config.micro_batch_tokens)]
+        # Old log-probs first, for every micro-batch, so that all are taken before any update.
+        old = [self._old_logprobs(mb) for mb in batches]
+
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for mb, old_logp in zip(batches, old):
+            logp, entropy = self._forward(self.model, mb, with_entropy=True)
+            ref_logp = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_logp, _ = self._forward(self.ref_model, mb, with_entropy=False)
+            loss, mb_sums = policy_loss(logp, old_logp, mb.advantages.to(self.device), mb.weights.to(self.device),
+                                        cfg, ref_logp=ref_logp, entropy=entropy)
+            loss.backward()
+            for k, v in mb_sums.items():
+                sums[k] = max(sums.get(k, -math.inf), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)
+
+        if self.master is not self.params:  # bf16: the fp32 masters take the gradients and the update
+            for m, p in zip(self.master, self.params):
+                m.grad = p.grad.float() if p.grad is not None else None
+                p.grad = None
+        clip = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master, clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not self.params:
+            with torch.no_grad():
+                for m, p in zip(self.master, self.params):
+                    p.copy_(m)
+        self.policy_version += 1
+        return self._metrics(rows, batches, sums, grad_norm, time.perf_counter() - t0)
+
+    def _metrics(self, rows: Sequence[Row], batches: Sequence[MicroBatch], sums: dict[str, float],
+                 grad_norm: float, elapsed: float) -> dict[str, float]:
+        n_resp = max(sums["response_tokens"], 1.0)
+        tokens = sum(len(r) for r in rows)
+        metrics = {
+            "loss": sums["loss"],
+            "pg_loss": sums["pg_loss"],
+            "clip_frac": sums["clipped_tokens"] / n_resp,
+            "clip_frac_lower": sums["clipped_lower_tokens"] / n_resp,
+            "approx_kl": sums["neg_log_ratio_sum"] / n_resp,  # mean(old - new) over response tokens, verl's ppo_kl
+            "ratio_max": math.exp(min(sums.get("log_ratio_max", -math.inf), 700.0)),
+            "entropy": sums.get("entropy", float("nan")),  # aggregated like the loss
+            "grad_norm": grad_norm,
+            "rows": float(len(rows)),
+            "rollouts": float(len({r.rollout_id for r in rows})),
+            "micro_batches": float(len(batches)),
+            "tokens": float(tokens),
+            "padded_tokens": float(sum(mb.input_ids.numel() for mb in batches)),
+            "response_tokens": sums["response_tokens"],
+            "time_s": elapsed,
+            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+            "policy_version": float(self.policy_version),
+        }
+        if "kl_ref" in sums:
+            metrics["kl_ref"] = sums["kl_ref"]
+        return metrics
+
+    # -- weights out
+
+    def _fp32_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The weights to save: the model's own, or in bf16 mode the fp32 masters (not their bf16 rounding)."""
+        if self.master is self.params:
+            return None
+        masters = {id(p): m for p, m in zip(self.params, self.master)}
+        state = self.model.state_dict(keep_vars=True)
+        return {name: masters.get(id(t), t).detach().float() for name, t in state.items()}
+
+    def save(self, out_dir: str | Path) -> Path:
+        """HF safetensors + config (+ generation config) and the source dir's tokenizer files."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out, state_dict=self._fp32_state_dict())  # safetensors only in transformers 5
+        for name in TOKENIZER_FILES:
+            src = self.source_dir / name
+            if src.is_file() and not (out / name).exists():
+                shutil.copy2(src, out / name)
+        log.info("saved policy version %d to %s", self.policy_version, out)
+        return out

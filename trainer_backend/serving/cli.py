@@ -1,0 +1,72 @@
+"""`lightning-mw serve MODEL_DIR` and `lightning-mw vllm-env`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import signal
+import sys
+import time
+from typing import Any
+
+from trainer_backend.serving.env import ensure_vllm_env
+from trainer_backend.serving.server import VLLMServer
+
+
+def add_cli(subparsers: Any) -> None:
+    """Register ``serve MODEL_DIR`` and ``vllm-env`` on an argparse subparsers object."""
+    serve = subparsers.add_parser("serve", help="run a vLLM server for a model folder")
+    serve.add_argument("model_dir")
+    serve.add_argument("--port", type=int, default=None, help="default: a free port")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--max-model-len", type=int, default=1024)
+    serve.add_argument("--kv-cache-gib", type=float, default=1)
+    serve.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    serve.add_argument("--dtype", default="auto")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--log-path", default=None)
+    serve.add_argument("--vllm-args", default="", help='extra vLLM flags, one string: "--max-num-seqs 8"')
+    serve.set_defaults(func=_cmd_serve)
+    env = subparsers.add_parser("vllm-env", help="create the vLLM server environment")
+    env.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    env.add_argument("--force", action="store_true", help="recreate it")
+    env.set_defaults(func=_cmd_vllm_env)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    extra = shlex.split(args.vllm_args)
+    server = VLLMServer(
+        args.model_dir, port=args.port, host=args.host, max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib, device=args.device, dtype=args.dtype,
+        served_model_name=args.served_model_name, log_path=args.log_path, extra_args=extra,
+    )  # fmt: skip
+    ensure_vllm_env(device=server.device)
+    # `kill PID` must stop the server too: it runs in its own process group.
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    with server:
+        print(f"vLLM serving {args.model_dir} at {server.base_url} (log {server.log_path})")
+        print("Ctrl-C to stop.")
+        try:
+            while server.is_running():
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _cmd_vllm_env(args: argparse.Namespace) -> int:
+    print(ensure_vllm_env(device=args.device, force=args.force))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - manual use
+    logging.basicConfig(level=logging.INFO)
+    parser = argparse.ArgumentParser(prog="python -m trainer_backend.serving.cli")
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args()
+    sys.exit(ns.func(ns))

@@ -1,0 +1,234 @@
+"""Publish a checkpoint into a running vLLM server (hot weight swap).
+
+Sequence (all over HTTP, the server runs with ``VLLM_SERVER_DEV_MODE=1`` and the
+``trainer_backend.serving.worker.LightningWorkerExtension`` worker extension):
+
+1. gateway ``POST /admin/pause`` (optional: only when a gateway URL is given; with its bearer
+   token, through `lightning_middleware.gateway.admin.GatewayAdmin`),
+2. engine ``POST /pause?mode=wait`` (in-flight requests finish, new ones wait),
+3. ``POST /collective_rpc`` ``lightning_reload`` (reload from safetensors and
+   re-pack the CPU output layer, see the worker extension),
+4. ``POST /reset_prefix_cache`` (a reload does NOT invalidate cached KV),
+5. ``POST /update_weight_version`` (tag),
+6. engine ``POST /resume`` and gateway ``POST /admin/resume``, always, in ``finally``; after a
+   successful swap the gateway resumes with the new policy version (an integer tag), so the
+   calls it serves from then on are stamped with it; after a failed one the version stays.
+
+Then it verifies: ``/weight_info`` reports the tag, the worker's output-layer probe
+is within rounding; ``weights_changed`` says whether the parameter checksum moved. The checksum is a float64 sum
+of |w| over the parameters vLLM keeps as tensors; on CPU the linear layers' weights
+are pre-packed into oneDNN handles and are not among them, so it covers embeddings,
+norms and biases only: a cheap "did the reload touch the weights" signal, not a
+proof. The proof is in the tests (logprobs equal an HF forward pass). Core module:
+httpx only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from lightning_middleware.gateway.admin import GatewayAdmin
+
+log = logging.getLogger(__name__)
+
+# The output-layer probe compares the packed GEMM against x @ W.T for a random x
+# with unit-variance entries; fp32 rounding gives ~1e-5, stale weights give O(1).
+LM_HEAD_TOLERANCE = 1e-2
+
+
+class PublishError(RuntimeError):
+    """A weight swap failed (the engine was resumed nonetheless)."""
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """What one publish did and how long each phase took (seconds)."""
+
+    version: str
+    checkpoint_dir: str
+    gateway_pause_s: float | None
+    engine_pause_s: float
+    reload_s: float
+    reset_cache_s: float
+    tag_s: float
+    resume_s: float
+    paused_s: float  # engine paused -> resumed: what requests felt
+    total_s: float
+    worker_reload_s: float  # reload_weights inside the worker
+    worker_repack_s: float
+    checksum_before: float | None
+    checksum_after: float
+    lm_head_max_err: float | None
+    reported_version: str | None
+    weights_changed: bool  # checksum moved; False when the same weights come again
+    verified: bool  # version tag and output-layer probe check out
+    problems: tuple[str, ...] = ()
+
+
+class WeightPublisher:
+    """Swaps weights into a vLLM server; ``server_url`` may end in ``/v1``."""
+
+    def __init__(
+        self,
+        server_url: str,
+        *,
+        gateway_url: str | None = None,
+        gateway_token: str | None = None,
+        timeout: float = 300.0,
+        reset_retries: int = 20,
+    ) -> None:
+        """`gateway_token`: the gateway's bearer token (default: $LIGHTNING_GATEWAY_TOKEN)."""
+        self.server_url = server_root(server_url)
+        self.gateway_url = gateway_url.rstrip("/") if gateway_url else None
+        self.gateway: GatewayAdmin | None = None
+        if self.gateway_url:
+            self.gateway = (GatewayAdmin(self.gateway_url, token=gateway_token, timeout=timeout) if gateway_token
+                            else GatewayAdmin.from_env(self.gateway_url, timeout=timeout))
+        self.timeout = timeout
+        self.reset_retries = reset_retries
+
+    def weight_version(self) -> str | None:
+        with httpx.Client(timeout=self.timeout) as c:
+            return _ok(c.get(f"{self.server_url}/weight_info")).json().get("weight_version")
+
+    def checksum(self) -> dict[str, Any]:
+        """The worker extension's parameter checksum and output-layer probe."""
+        with httpx.Client(timeout=self.timeout) as c:
+            return self._rpc(c, "lightning_checksum", {})
+
+    def publish(self, checkpoint_dir: str | os.PathLike[str], version: str | int) -> PublishResult:
+        """Swap the weights in ``checkpoint_dir`` (safetensors) in, tagged ``version``."""
+        ckpt = str(Path(checkpoint_dir).resolve())
+        tag = str(version)
+        if not any(Path(ckpt).glob("*.safetensors")):  # fail before pausing anything
+            raise PublishError(f"no *.safetensors in {ckpt}")
+        t: dict[str, float] = {}
+        with httpx.Client(timeout=self.timeout) as c:
+            before = self._rpc(c, "lightning_checksum", {}).get("checksum")
+            t_start = time.perf_counter()
+            gw_paused = swapped = False
+            engine_paused_at: float | None = None
+            try:
+                if self.gateway is not None:
+                    gateway = self.gateway
+                    _timed(t, "gateway_pause", lambda: gateway.pause(timeout=self.timeout))
+                    gw_paused = True
+                _timed(t, "engine_pause", lambda: _ok(c.post(f"{self.server_url}/pause", params={"mode": "wait"})))
+                engine_paused_at = time.perf_counter()
+                info = _timed(t, "reload", lambda: self._rpc(c, "lightning_reload", {"weights_path": ckpt}))
+                if "error" in info:
+                    state = "previous weights restored" if info.get("restored") else "WEIGHTS MAY BE MIXED"
+                    raise PublishError(f"reload of {ckpt} failed ({state}): {info['error']}")
+                _timed(t, "reset_cache", lambda: self._reset_prefix_cache(c))
+                _timed(t, "tag", lambda: _ok(c.post(f"{self.server_url}/update_weight_version",
+                                                    json={"new_version": tag})))
+                swapped = True
+            finally:
+                t_resume = time.perf_counter()
+                # Resume even if the pause call itself failed: it may have taken
+                # effect server-side, and /resume on a running engine is harmless.
+                self._resume(c, gw_paused, _int_tag(tag) if swapped else None)
+                t["resume"] = time.perf_counter() - t_resume
+                paused_s = time.perf_counter() - engine_paused_at if engine_paused_at else 0.0
+            total = time.perf_counter() - t_start
+            reported = _ok(c.get(f"{self.server_url}/weight_info")).json().get("weight_version")
+            after = self._rpc(c, "lightning_checksum", {})["checksum"]
+        return self._result(ckpt, tag, t, paused_s, total, before, after, info, reported)
+
+    def _result(
+        self, ckpt: str, tag: str, t: dict[str, float], paused_s: float, total: float,
+        before: float | None, after: float, info: dict[str, Any], reported: str | None,
+    ) -> PublishResult:  # fmt: skip
+        problems = []
+        if reported != tag:
+            problems.append(f"server reports version {reported!r}, expected {tag!r}")
+        err = info.get("lm_head_max_err")
+        if err is not None and err > LM_HEAD_TOLERANCE:
+            problems.append(f"output layer computes with stale weights (probe error {err:.3g})")
+        changed = before is None or after != before
+        if not changed:  # legitimate when the same weights are published again
+            log.warning("parameter checksum unchanged after publishing %s", ckpt)
+        result = PublishResult(
+            version=tag, checkpoint_dir=ckpt, gateway_pause_s=t.get("gateway_pause"),
+            engine_pause_s=t["engine_pause"], reload_s=t["reload"], reset_cache_s=t["reset_cache"],
+            tag_s=t["tag"], resume_s=t["resume"], paused_s=paused_s, total_s=total,
+            worker_reload_s=info.get("reload_s", 0.0), worker_repack_s=info.get("repack_s", 0.0),
+            checksum_before=before, checksum_after=after, lm_head_max_err=err,
+            reported_version=reported, weights_changed=changed, verified=not problems,
+            problems=tuple(problems),
+        )  # fmt: skip
+        level = logging.INFO if result.verified else logging.WARNING
+        log.log(level, "published %s as %r in %.3f s (paused %.3f s)%s", ckpt, tag, total,
+                paused_s, "" if result.verified else f": {'; '.join(problems)}")  # fmt: skip
+        return result
+
+    def _rpc(self, c: httpx.Client, method: str, kwargs: dict[str, str]) -> dict[str, Any]:
+        body = {"method": method, "kwargs": kwargs, "timeout": self.timeout}
+        results = _ok(c.post(f"{self.server_url}/collective_rpc", json=body)).json()["results"]
+        if not results or not isinstance(results[0], dict):
+            raise PublishError(f"{method} returned {results!r}; is the worker extension loaded?")
+        return results[0]  # one worker on CPU; with TP>1 all ranks load the same files
+
+    def _reset_prefix_cache(self, c: httpx.Client) -> None:
+        # Fails (success=false) while blocks are held; paused in "wait" mode none
+        # should be, but retry briefly rather than serve stale KV.
+        for _ in range(self.reset_retries):
+            if _ok(c.post(f"{self.server_url}/reset_prefix_cache")).json().get("success", True):
+                return
+            time.sleep(0.05)
+        raise PublishError("could not reset the prefix cache; stale KV would be served")
+
+    def _resume(self, c: httpx.Client, gateway: bool, version: int | None) -> None:
+        try:
+            _post_retry(c, f"{self.server_url}/resume")
+        finally:
+            if gateway and self.gateway is not None:
+                self.gateway.resume(policy_version=version)
+
+
+def _post_retry(c: httpx.Client, url: str, attempts: int = 3) -> None:
+    """POST that survives a connection the server reset after an earlier error: a
+    server left paused would hold every later request forever."""
+    for i in range(attempts):
+        try:
+            _ok(c.post(url))
+            return
+        except httpx.TransportError:
+            if i == attempts - 1:
+                raise
+            time.sleep(0.1)
+
+
+def _int_tag(tag: str) -> int | None:
+    """The policy version a tag names, if it is one (the trainer tags with integers)."""
+    try:
+        return int(tag)
+    except ValueError:
+        return None
+
+
+def server_root(url: str) -> str:
+    """A server URL without a trailing `/v1`."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _ok(resp: httpx.Response) -> httpx.Response:
+    if resp.status_code >= 400:
+        raise PublishError(f"{resp.request.method} {resp.request.url} -> {resp.status_code}: {resp.text[:500]}")
+    return resp
+
+
+def _timed(times: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
+    t0 = time.perf_counter()
+    out = fn()
+    times[name] = time.perf_counter() - t0
+    return out
