@@ -141,6 +141,7 @@ STEP_METRICS: dict[str, str] = {
     "clip_frac": "share of response tokens whose ratio was clipped",
     "ratio_max": "largest new/old probability ratio of any response token",
     "grad_norm": "gradient norm before clipping",
+    "lr": "learning rate of the step's update",
     "reward_mean": "mean final reward of the step's rollouts",
     "reward_std": "standard deviation of those rewards",
     "success_rate": "share of the step's rollouts that succeeded",

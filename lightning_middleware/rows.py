@@ -18,6 +18,9 @@ A row is one token sequence the model is trained on. The rule (docs/trainer.md):
    so the behaviour logprobs of the kept completion tokens stay valid. A row left
    with no completion token after the cut is dropped. Both are counted.
 5. Rows without any completion token (e.g. only empty completions) are dropped, counted.
+6. Each completion token keeps the sampling parameters of its call (temperature, top_p, top_k
+   from the request as stored; absent: the API defaults 1, 1, off), so the trainer computes
+   log-probs of the distribution that was sampled (`sampling_of`; docs/trainer.md).
 
 Advantages are not computed here: `Row.advantage` is 0.0 until `with_advantages`.
 """
@@ -28,6 +31,7 @@ import dataclasses
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_middleware.records import LLMCall, Rollout
 
@@ -54,6 +58,11 @@ class Row:
     call_ids: tuple[str, ...] = ()
     truncated: bool = False
     advantage: float = 0.0
+    # Per token, the sampling parameters the token was drawn with (None: 1.0 / 1.0 / 0 for every
+    # token, the common case); prompt and observation tokens carry the defaults.
+    temperature: tuple[float, ...] | None = None
+    top_p: tuple[float, ...] | None = None
+    top_k: tuple[int, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -131,6 +140,26 @@ def _select_calls(calls: Sequence[LLMCall]) -> tuple[list[LLMCall], dict[str, in
     return usable, counts
 
 
+def sampling_of(call: LLMCall) -> tuple[float, float, int]:
+    """(temperature, top_p, top_k) a call was sampled with, from its stored request. Absent
+    values are the API defaults (1, 1, off): the server must not substitute the model's own
+    (vLLM: `--generation-config vllm`, as `lightning-mw serve` starts it). Temperature 0 is
+    greedy, where vLLM's log-probs are the untempered ones, so 1."""
+    req = call.request or {}
+
+    def number(key: str, default: float) -> float:
+        try:
+            value = req.get(key)
+            return default if value is None else float(value)
+        except (TypeError, ValueError):
+            return default
+
+    temperature = number("temperature", 1.0)
+    top_p = number("top_p", 1.0)
+    top_k = int(number("top_k", 0))
+    return (temperature if temperature > 0 else 1.0), min(1.0, max(top_p, 0.0)), max(top_k, 0)
+
+
 def _call_logprobs(call: LLMCall) -> tuple[float, ...] | None:
     lp = call.logprobs
     if lp is None or len(lp) != len(call.completion_token_ids):
@@ -151,6 +180,7 @@ class _OpenRow:
     logprobs: list[float] | None = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     call_ids: list[str] = field(default_factory=list)
+    sampling: list[tuple[float, float, int]] = field(default_factory=list)  # per token
 
     def extends(self, prompt: Sequence[int]) -> bool:
         n = len(self.ids)
@@ -162,6 +192,7 @@ class _OpenRow:
         completion = call.completion_token_ids
         self.ids += list(tail) + list(completion)
         self.mask += [0] * len(tail) + [1] * len(completion)
+        self.sampling += [_DEFAULT_SAMPLING] * len(tail) + [sampling_of(call)] * len(completion)
         lp = _call_logprobs(call)
         if self.logprobs is not None and lp is not None:
             self.logprobs += [0.0] * len(tail) + list(lp)
@@ -174,12 +205,12 @@ class _OpenRow:
 
 def _finish(row: _OpenRow, rollout_id: str, task_id: str | None, max_len: int | None) -> tuple[Row | None, str, int]:
     """Freeze an open row, applying the truncation rule. Returns (row, outcome, lost response tokens)."""
-    ids, mask, lps = row.ids, row.mask, row.logprobs
+    ids, mask, lps, sampling = row.ids, row.mask, row.logprobs, row.sampling
     truncated = max_len is not None and len(ids) > max_len
     lost = 0
     if truncated:
         lost = sum(mask[max_len:])
-        ids, mask = ids[:max_len], mask[:max_len]
+        ids, mask, sampling = ids[:max_len], mask[:max_len], sampling[:max_len]
         lps = lps[:max_len] if lps is not None else None
     if sum(mask) == 0:
         return None, ("dropped_too_long" if truncated else "dropped_empty"), lost
@@ -193,8 +224,20 @@ def _finish(row: _OpenRow, rollout_id: str, task_id: str | None, max_len: int | 
         policy_version=min(row.versions) if row.versions else None,
         call_ids=tuple(row.call_ids),
         truncated=truncated,
+        temperature=_per_token(sampling, 0, 1.0),
+        top_p=_per_token(sampling, 1, 1.0),
+        top_k=_per_token(sampling, 2, 0),
     )
     return frozen, ("truncated" if truncated else "ok"), lost
+
+
+_DEFAULT_SAMPLING = (1.0, 1.0, 0)
+
+
+def _per_token(sampling: Sequence[tuple[float, float, int]], k: int, default: Any) -> tuple[Any, ...] | None:
+    """One sampling parameter per token; None where it is at its default everywhere (the common case)."""
+    values = tuple(s[k] for s in sampling)
+    return None if all(v == default for v in values) else values
 
 
 # ---------------------------------------------------------------- public API

@@ -6,15 +6,18 @@ in SQLite (default) or PostgreSQL.
 """
 
 from lightning_middleware.store.connect import DEFAULT_URL, ENV_URL, StoreError, default_store_url
-from lightning_middleware.store.trace_store import SKIPPED_STEP, TraceStore, get_store, open_store
+from lightning_middleware.store.trace_store import TraceStore, get_store, open_store
+from lightning_middleware.store.training import SKIPPED_STEP, LeaseLost, TrainerIdInUse
 from lightning_middleware.store.writer import WriterStats
 
 __all__ = [
     "DEFAULT_URL",
     "ENV_URL",
+    "LeaseLost",
     "SKIPPED_STEP",
     "StoreError",
     "TraceStore",
+    "TrainerIdInUse",
     "WriterStats",
     "default_store_url",
     "get_store",

@@ -111,6 +111,18 @@ rollout_leases = sa.Table(
     sa.Column("heartbeat_at", sa.Float, nullable=False, index=True),
 )
 
+# Trainer daemons (store/training.py): one live run per trainer id. A daemon takes the lease
+# at start (refused while another run's heartbeat is fresh), refreshes it while it runs, and a
+# step commits only in the same transaction as a check that the run still holds it.
+trainer_leases = sa.Table(
+    "trainer_leases",
+    metadata,
+    sa.Column("trainer_id", sa.String(128), primary_key=True),
+    sa.Column("run_id", sa.String(64), nullable=False),
+    sa.Column("started_at", sa.Float, nullable=False),
+    sa.Column("heartbeat_at", sa.Float, nullable=False),
+)
+
 # Evaluation (evaluation.py): one row per evaluation of a held-out task set.
 eval_results = sa.Table(
     "eval_results",

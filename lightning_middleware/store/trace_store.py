@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
-from lightning_middleware.records import EvalResult, LLMCall, PolicyVersion, Reward, Rollout, RolloutStatus, TrainStep
+from lightning_middleware.records import EvalResult, LLMCall, PolicyVersion, Reward, Rollout, RolloutStatus
 from lightning_middleware.store import mapping as M
 from lightning_middleware.store import schema as S
 from lightning_middleware.store.connect import (
@@ -30,11 +30,11 @@ from lightning_middleware.store.connect import (
     sqlite_file,
 )
 from lightning_middleware.store.queries import StoreQueries
+from lightning_middleware.store.training import TrainerOps
 from lightning_middleware.store.writer import BatchWriter, Op, WriterStats
 
 log = logging.getLogger(__name__)
 
-SKIPPED_STEP = -1  # rollouts.consumed_step of rollouts a trainer took but did not train on
 
 
 class CallSource(Protocol):
@@ -43,7 +43,7 @@ class CallSource(Protocol):
     def build(self) -> LLMCall: ...
 
 
-class TraceStore(StoreQueries):
+class TraceStore(StoreQueries, TrainerOps):
     """A trace store at `url` (default: env LIGHTNING_STORE_URL or ./lightning_traces.db).
 
     Raises StoreError at construction if the database can't be opened, so a bad
@@ -238,71 +238,6 @@ class TraceStore(StoreQueries):
     def add_policy_version(self, pv: PolicyVersion) -> None:
         with self.engine.begin() as conn:
             conn.execute(sa.insert(S.policy_versions), [M.policy_row(pv)])
-
-    def claim_rollouts(self, rollout_ids: Iterable[str], trainer_id: str) -> list[str]:
-        """Take unconsumed, unclaimed rollouts for `trainer_id`; returns the ids it got.
-
-        Each claim is a conditional UPDATE, so two trainers on one database never
-        get the same rollout.
-        """
-        got: list[str] = []
-        with self.engine.begin() as conn:
-            for rid in rollout_ids:
-                res = conn.execute(
-                    sa.update(S.rollouts)
-                    .where(S.rollouts.c.id == rid, S.rollouts.c.claimed_by.is_(None),
-                           S.rollouts.c.consumed_step.is_(None))
-                    .values(claimed_by=trainer_id)
-                )
-                if res.rowcount == 1:
-                    got.append(rid)
-        return got
-
-    def release_claims(self, trainer_id: str, rollout_ids: Iterable[str] | None = None) -> int:
-        """Give back claimed-but-unconsumed rollouts (all of a trainer's, or just `rollout_ids`).
-
-        A trainer restarting after a crash releases everything it held: the step
-        that claimed them never committed, so they were not trained on.
-        """
-        c = S.rollouts.c
-        q = sa.update(S.rollouts).where(c.claimed_by == trainer_id, c.consumed_step.is_(None))
-        if rollout_ids is not None:
-            q = q.where(c.id.in_(list(rollout_ids)))
-        with self.engine.begin() as conn:
-            return conn.execute(q.values(claimed_by=None)).rowcount
-
-    def skip_rollouts(self, rollout_ids: Iterable[str], trainer_id: str) -> int:
-        """Mark claimed rollouts as consumed without training (step -1): counted, never polled again."""
-        c = S.rollouts.c
-        ids = list(rollout_ids)
-        if not ids:
-            return 0
-        with self.engine.begin() as conn:
-            return conn.execute(
-                sa.update(S.rollouts).where(c.id.in_(ids), c.claimed_by == trainer_id, c.consumed_step.is_(None))
-                .values(consumed_step=SKIPPED_STEP)
-            ).rowcount
-
-    def commit_train_step(self, step: TrainStep, policy_version: PolicyVersion | None = None) -> None:
-        """Record a step, its new policy version, and mark its rollouts consumed: one transaction.
-
-        After a crash either all of it happened (the rollouts are consumed and the
-        checkpoint is the latest version) or none of it did (the rollouts are
-        released at restart and trained from the previous checkpoint).
-        """
-        with self.engine.begin() as conn:
-            conn.execute(sa.insert(S.train_steps), [{
-                "step": step.step, "trainer_id": step.trainer_id, "policy_version": step.policy_version,
-                "created_at": step.created_at or time.time(), "metrics": step.metrics or None,
-                "rollout_ids": list(step.rollout_ids),
-            }])
-            if policy_version is not None:
-                conn.execute(sa.insert(S.policy_versions), [M.policy_row(policy_version)])
-            if step.rollout_ids:
-                conn.execute(
-                    sa.update(S.rollouts).where(S.rollouts.c.id.in_(list(step.rollout_ids)))
-                    .values(consumed_step=step.step)
-                )
 
     # -- leases (rollout controller) -----------------------------------------
     def heartbeat(self, rollout_ids: Iterable[str], *, owner: str | None = None, at: float | None = None) -> None:

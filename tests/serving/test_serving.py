@@ -254,6 +254,45 @@ def test_failed_swap_resumes_and_keeps_serving(vllm_server: VLLMServer, tied_che
     assert max_diff_to_hf(v1, after) < ATOL
 
 
+@pytest.mark.parametrize("sampling", [{"temperature": 0.7}, {"temperature": 0.7, "top_p": 0.9, "top_k": 20}])
+def test_trainer_log_probs_at_step_0_equal_what_vllm_sampled(vllm_server: VLLMServer, tied_checkpoints,
+                                                              tmp_path: Path, sampling: dict[str, float]) -> None:
+    """A completion sampled at temperature 0.7 (and with top-p / top-k), recorded by wrap(): the
+    engine's log-probs of its tokens before any update equal vLLM's (the server runs with
+    --logprobs-mode processed_logprobs) within fp32 rounding; at temperature 1 they would not."""
+    import dataclasses
+
+    import openai
+
+    from lightning_middleware import TraceStore, rollout, wrap
+    from lightning_middleware.rows import build_rows
+    from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig
+
+    ckpt = tied_checkpoints.variants[2]
+    assert WeightPublisher(vllm_server.base_url).publish(ckpt, "sampling").verified
+    store = TraceStore(f"sqlite:///{tmp_path / 'sampling.db'}")
+    client = wrap(openai.OpenAI(base_url=vllm_server.base_url, api_key="-"), store=store)
+    with rollout("sampled", store=store) as r:
+        for _ in range(3):
+            client.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=16, extra_body=sampling)
+    calls = store.calls(r.id)
+    rows = [row for c in calls for row in build_rows([c], rollout_id=r.id)[0]]
+    assert len(rows) == 3 and all(row.temperature is not None for row in rows)
+    engine = TorchEngine(ckpt, TorchEngineConfig(precision="fp32"))
+    ours = engine.token_logprobs(rows)
+    plain = engine.token_logprobs([dataclasses.replace(row, temperature=None, top_p=None, top_k=None)
+                                   for row in rows])
+    worst = worst_plain = 0.0
+    for row, mine, untempered in zip(rows, ours, plain):
+        for t, m in enumerate(row.loss_mask):
+            if m:
+                worst = max(worst, abs(mine[t] - row.behaviour_logprobs[t]))
+                worst_plain = max(worst_plain, abs(untempered[t] - row.behaviour_logprobs[t]))
+    assert worst < ATOL, worst
+    assert worst_plain > 1e-2  # temperature 1 (or no truncation) would bias every ratio
+    store.close()
+
+
 def test_publish_through_a_gateway_with_a_token_resumes_it_with_the_new_version(
         vllm_server: VLLMServer, tied_checkpoints, tmp_path: Path) -> None:
     """The publisher pauses and resumes the gateway with its bearer token, and resumes it with the

@@ -61,6 +61,8 @@ def test_server_command_and_urls(tmp_path: Path) -> None:
     for flag in ("--enforce-eager", "--enable-auto-tool-choice", "--worker-extension-cls"):
         assert flag in cmd
     assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes"
+    assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"  # the sampled distribution's
+    assert cmd[cmd.index("--generation-config") + 1] == "vllm"  # API defaults, not the model's
     assert cmd[-2:] == ["--seed", "3"]
     assert server.base_url == f"http://127.0.0.1:{server.port}/v1"
     with socket.socket() as sock:  # the chosen port was free

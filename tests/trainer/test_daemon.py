@@ -173,3 +173,62 @@ def test_kill_9_mid_run_trains_nothing_twice_and_loses_nothing(llm_server, model
     assert [s.step for s in steps] == list(range(1, 13))
     assert [s.policy_version for s in steps] == list(range(1, 13))
     assert store.query_rollouts(consumed=False) == []
+
+
+@pytest.mark.postgres
+def test_one_live_daemon_per_trainer_id_and_no_batch_trained_twice(llm_server, pg_url, model_dir, tmp_path) -> None:
+    """Two daemons under the default trainer id: the second is refused while the first is alive.
+    If the id is taken over after the first looked dead (a frozen process, a lost network), the
+    first one's step does not commit: its rollouts are trained once, by the new owner."""
+    from lightning_middleware.store import LeaseLost, TrainerIdInUse
+
+    store = TraceStore(pg_url)
+    run_rollouts(llm_server, store, {"t0": [1, 0, 0, 1], "t1": [0, 1, 1, 0]})
+    one_group = GroupPolicy(group_size=4, groups_per_step=1)
+    first = make_daemon(TraceStore(pg_url), model_dir, tmp_path, group=one_group)
+    with pytest.raises(TrainerIdInUse, match="in use by a running daemon"):
+        make_daemon(TraceStore(pg_url), model_dir, tmp_path / "b", group=one_group)
+    batch = first.collect()
+    assert batch is not None
+    # The first daemon goes silent for longer than its lease; a run elsewhere takes the id over.
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE trainer_leases SET heartbeat_at = heartbeat_at - 1000")
+    store.acquire_trainer("trainer-0", run_id="elsewhere:1:takeover")
+    with pytest.raises(LeaseLost):
+        first.train(batch)
+    assert store.train_steps() == [] and store.latest_policy_version() is None  # nothing committed
+    store.release_trainer("trainer-0", "elsewhere:1:takeover")
+    first.close()
+    second = make_daemon(TraceStore(pg_url), model_dir, tmp_path / "c", group=one_group)  # released: it starts
+    results = second.run(max_steps=2, idle_timeout_s=1.0)
+    trained = [rid for s in store.train_steps() for rid in s.rollout_ids]
+    assert len(results) == 2 and len(trained) == len(set(trained)) == 8
+    second.close()
+
+
+def test_a_batch_without_trainable_rows_commits_no_version(llm_server, store, model_dir, tmp_path) -> None:
+    client = wrap(openai.OpenAI(base_url=llm_server.base_url, api_key="x"), store=store, inject_token_ids=False)
+    for reward in (1.0, 0.0, 1.0, 0.0):  # no token IDs asked for: recorded, but nothing to train on
+        with rollout("blind", store=store) as r:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+            r.reward(reward)
+    daemon = make_daemon(store, model_dir, tmp_path, group=GroupPolicy(group_size=4, groups_per_step=1))
+    assert daemon.step_once() is None
+    assert store.latest_policy_version() is None and store.train_steps() == []
+    assert daemon.skipped_total["no_trainable_rows"] == 4 and daemon.engine.policy_version == 0
+    assert {r.consumed_step for r in store.query_rollouts()} == {-1}  # consumed as skipped, never polled again
+    daemon.close()
+
+
+def test_success_uses_the_threshold_and_sync_drops_unversioned(llm_server, store, model_dir, tmp_path) -> None:
+    run_rollouts(llm_server, store, {"half": [0.5, 0.0, 1.0, 0.5]}, policy_version=0)
+    daemon = make_daemon(store, model_dir, tmp_path, group=GroupPolicy(group_size=4, groups_per_step=1))
+    result = daemon.step_once()
+    assert result is not None and result.metrics["success_rate"] == 0.25  # reward >= 1, not > 0
+    daemon.close()
+    run_rollouts(llm_server, store, {"nover": [1, 0, 1, 0]})  # no policy version: sync can't check it
+    sync = make_daemon(store, model_dir, tmp_path, mode="sync", trainer_id="sync",
+                       group=GroupPolicy(group_size=4, groups_per_step=1))
+    sync.engine.policy_version = 0
+    assert sync.step_once() is None and sync.skipped_total["stale"] == 4
+    sync.close()

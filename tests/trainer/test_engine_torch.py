@@ -15,7 +15,8 @@ from lightning_middleware.rows import Row  # noqa: E402
 from tests.trainer.tiny_models import save_tiny_qwen2  # noqa: E402
 from trainer_backend.algorithms.grpo import LossConfig  # noqa: E402
 from trainer_backend.engines.base import Engine  # noqa: E402
-from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig, split_micro_batches  # noqa: E402
+from trainer_backend.engines.batching import split_micro_batches  # noqa: E402
+from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 
 VOCAB = 48
 
@@ -251,14 +252,15 @@ def test_set_lr_changes_the_next_update_and_rejects_nonsense(model_dir):
 def test_trainer_cli_flags_reach_the_torch_engine(model_dir):
     import argparse
 
-    from trainer_backend.daemon.cli import add_cli, make_engine
+    from trainer_backend.daemon.cli import add_cli, make_engine, settings_from
+    from trainer_backend.daemon.settings import SettingsError
 
     parser = argparse.ArgumentParser()
     add_cli(parser.add_subparsers())
 
     def engine_for(*flags: str) -> TorchEngine:
         args = parser.parse_args(["trainer", "--store", "sqlite:///x.db", "--model", str(model_dir), *flags])
-        return make_engine(args, model_dir, 0)
+        return make_engine(settings_from(args), model_dir, 0)
 
     from trainer_backend.engines.precision import bf16_probe
 
@@ -267,10 +269,52 @@ def test_trainer_cli_flags_reach_the_torch_engine(model_dir):
     assert engine_for("--bf16").config.precision == "bf16"  # bf16 compute, fp32 masters: as verl's --bf16
     eng = engine_for("--bf16", "--precision", "bf16-autocast", "--compile")  # --precision wins
     assert eng.config.precision == "bf16-autocast" and eng.config.compile
-    with pytest.raises(SystemExit):
+    with pytest.raises(SettingsError, match="engine.precision"):
         engine_for("--precision", "fp16")
     assert engine_for().config.loss.dual_clip_c == 3.0  # verl's default clip_ratio_c
     assert engine_for("--dual-clip", "0").config.loss.dual_clip_c is None
     assert engine_for("--dual-clip", "5").config.loss.dual_clip_c == 5.0
-    with pytest.raises(SystemExit):
+    with pytest.raises(SettingsError, match="loss.dual_clip"):
         engine_for("--dual-clip", "0.5")
+    eng = engine_for("--kl-coef", "0.05", "--kl-estimator", "k2", "--entropy-coef", "0.01", "--clip-high", "0.28",
+                     "--lr-schedule", "cosine", "--warmup-steps", "3", "--max-steps", "20", "--algo", "gspo")
+    loss = eng.config.loss
+    assert (loss.kl_coef, loss.kl_kind, loss.entropy_coef, loss.clip_high) == (0.05, "k2", 0.01, 0.28)
+    assert loss.ratio_level == "sequence" and loss.agg == "seq-mean-token-mean"  # GSPO's own aggregation
+    assert (eng.config.lr_schedule, eng.config.warmup_steps, eng.config.total_steps) == ("cosine", 3, 20)
+    assert eng.ref_model is not None and eng.config.reference_dir == str(model_dir)  # KL to the base model
+
+
+def test_a_resumed_engine_continues_the_same_adamw_and_schedule(model_dir, tmp_path):
+    """Checkpoints hold the optimizer's moments and the lr schedule's position: an engine built
+    from a saved checkpoint takes exactly the step the original would have taken next."""
+    rows = make_rows(PROMPTS, advantages={"good": 1.0, "bad": -1.0})
+    cfg = TorchEngineConfig(precision="fp32", lr=1e-3, lr_schedule="cosine", warmup_steps=2, total_steps=6)
+    eng = TorchEngine(model_dir, cfg)
+    rows_b = with_behaviour(eng, rows)
+    for _ in range(3):
+        eng.step(rows_b)
+    ckpt = eng.save(tmp_path / "ckpt")
+    assert (ckpt / "trainer_state.pt").is_file()
+    resumed = TorchEngine(ckpt, cfg, policy_version=eng.policy_version)
+    assert resumed.resumed and not TorchEngine(model_dir, cfg).resumed
+    assert resumed.lr == pytest.approx(eng.lr) and resumed.scheduler.last_epoch == 3
+    a, b = eng.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k]["exp_avg_sq"], b[k]["exp_avg_sq"]) for k in a)
+    m1, m2 = eng.step(rows_b), resumed.step(rows_b)
+    assert m1["lr"] == pytest.approx(m2["lr"]) and m1["loss"] == pytest.approx(m2["loss"], abs=1e-6)
+    for (k, x), y in zip(eng.model.state_dict().items(), resumed.model.state_dict().values()):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6, msg=k)
+
+
+def test_lr_schedules() -> None:
+    from trainer_backend.engines.torch_engine import lr_factor
+
+    warm = TorchEngineConfig(lr_schedule="linear", warmup_steps=4, total_steps=12, min_lr_ratio=0.1)
+    assert [lr_factor(warm, k) for k in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert lr_factor(warm, 8) == pytest.approx(0.1 + 0.9 * 0.5) and lr_factor(warm, 50) == pytest.approx(0.1)
+    cos = TorchEngineConfig(lr_schedule="cosine", total_steps=10)
+    assert lr_factor(cos, 0) == 1.0 and lr_factor(cos, 5) == pytest.approx(0.5) and lr_factor(cos, 10) == 0.0
+    assert lr_factor(TorchEngineConfig(), 10_000) == 1.0
+    with pytest.raises(ValueError, match="lr_schedule"):
+        TorchEngine(".", TorchEngineConfig(lr_schedule="step"))

@@ -323,14 +323,14 @@ def test_verl_engine_refuses_cpu(model_dir):
     # the daemon's path: `lightning-mw trainer --engine verl` -> make_engine -> VerlEngine
     import argparse
 
-    from trainer_backend.daemon.cli import add_cli, make_engine
+    from trainer_backend.daemon.cli import add_cli, make_engine, settings_from
 
     parser = argparse.ArgumentParser()
     add_cli(parser.add_subparsers())
     args = parser.parse_args(["trainer", "--store", "sqlite:///x.db", "--model", str(model_dir), "--engine", "verl",
                               "--bf16", "--micro-batch-tokens", "4096"])
     with pytest.raises(RuntimeError, match="GPU"):
-        make_engine(args, model_dir, 0)
+        make_engine(settings_from(args), model_dir, 0)
 
 
 # ---------------------------------------------------------------- VerlEngine.step's driver logic, worker group faked

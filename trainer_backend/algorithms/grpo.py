@@ -14,14 +14,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from lightning_middleware.rows import Row
 
 AGG_MODES = ("rollout-token-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-KL_KINDS = ("k1", "k3")
+KL_KINDS = ("k1", "k2", "k3")
+RATIO_LEVELS = ("token", "sequence")
 
 
 # ---------------------------------------------------------------- advantages
@@ -157,13 +158,14 @@ def ppo_token_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip_c: float | None = None,
+    log_ratio: torch.Tensor | None = None,
 ) -> TokenLoss:
     """PPO clipped surrogate as verl's `compute_policy_loss_vanilla`, per token.
 
     loss = max(-A r, -A clip(r, 1-clip_low, 1+clip_high)), r = exp(clamp(logp - old, -20, 20));
     with dual clip (c > 1): for A < 0, loss = min(loss, -A c).
     """
-    log_ratio = torch.clamp(logp - old_logp, min=-20.0, max=20.0)
+    log_ratio = torch.clamp(logp - old_logp, min=-20.0, max=20.0) if log_ratio is None else log_ratio
     ratio = torch.exp(log_ratio)
     loss1 = -adv * ratio
     loss2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
@@ -179,10 +181,21 @@ def ppo_token_loss(
     return TokenLoss(pg_loss=pg, clipped=clipped, clipped_lower=clipped_lower, neg_log_ratio=-log_ratio)
 
 
+def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's ratio (verl's compute_policy_loss_gspo), per token: log s_i,t = sg[log s_i] + logp - sg[logp],
+    log s_i = the mean log-ratio over row i's response tokens; clamped at 10 as verl does."""
+    n = mask.sum(-1).clamp(min=1)
+    seq = ((logp - old_logp) * mask).sum(-1) / n
+    return torch.clamp(logp - logp.detach() + seq.detach().unsqueeze(-1), max=10.0)
+
+
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token KL(policy || ref) estimate, as verl's kl_penalty: k1 = logp - ref; k3 = e^d - d - 1, d = ref - logp."""
+    """Per-token KL(policy || ref) estimate, as verl's kl_penalty: k1 = logp - ref;
+    k2 = (logp - ref)^2 / 2; k3 = e^d - d - 1, d = ref - logp (Schulman's estimators)."""
     if kind == "k1":
         return logp - ref_logp
+    if kind == "k2":
+        return 0.5 * (logp - ref_logp).square()
     if kind == "k3":
         d = torch.clamp(ref_logp - logp, min=-20, max=20)
         return torch.clamp(torch.exp(d) - d - 1, min=-10, max=10)
@@ -283,6 +296,9 @@ class LossConfig:
     kl_coef: float = 0.0  # > 0 adds kl_coef * KL(policy || ref) to the loss (needs ref log-probs)
     kl_kind: str = "k3"
     entropy_coef: float = 0.0  # > 0 subtracts entropy_coef * entropy (an exploration bonus)
+    # "token": PPO's per-token ratio; "sequence": GSPO's ratio, the geometric mean over a row's
+    # response tokens (its gradient still flows per token), without the dual clip, as verl's gspo.
+    ratio_level: str = "token"
 
 
 def policy_loss(
@@ -301,11 +317,19 @@ def policy_loss(
     so micro-batch losses add up to the step loss. Also returns detached sums from which
     the step's metrics are formed (weighted sums and plain response-token counts).
     """
-    terms = ppo_token_loss(logp, old_logp, adv, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                           dual_clip_c=cfg.dual_clip_c)
+    mask = (weights != 0).float()
+    if cfg.ratio_level == "sequence":
+        terms = ppo_token_loss(logp, old_logp, adv, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                               log_ratio=sequence_log_ratio(logp, old_logp, mask))
+        # the KL and ratio metrics stay per token (verl's ppo_kl for GSPO too)
+        terms = replace(terms, neg_log_ratio=torch.clamp(old_logp - logp, min=-20.0, max=20.0))
+    elif cfg.ratio_level == "token":
+        terms = ppo_token_loss(logp, old_logp, adv, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                               dual_clip_c=cfg.dual_clip_c)
+    else:
+        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, not {cfg.ratio_level!r}")
     pg = (terms.pg_loss * weights).sum()
     loss = pg
-    mask = (weights != 0).float()
     sums = {
         "pg_loss": pg.detach(),
         "clipped_tokens": (terms.clipped.float() * mask).sum(),

@@ -1,4 +1,9 @@
-"""`lightning-mw trainer`: the daemon with a torch or verl engine and a weight publisher."""
+"""`lightning-mw trainer`: the daemon with a torch or verl engine and a weight publisher.
+
+Every setting lives in `settings.TrainerSettings` (a TOML file with `--config`); each flag here
+overrides one field of it, and `--print-config` shows the result. Registering the command
+imports nothing heavy: torch comes in when it runs.
+"""
 
 from __future__ import annotations
 
@@ -6,71 +11,107 @@ import argparse
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning_middleware.store import TraceStore
-from trainer_backend.daemon.trainer_daemon import GroupPolicy, StepResult, TrainerConfig, TrainerDaemon
+from trainer_backend.daemon.settings import SettingsError, TrainerSettings
+from trainer_backend.daemon.trainer_daemon import StepResult, TrainerDaemon
 from trainer_backend.engines.base import Engine
 from trainer_backend.serving.publisher import WeightPublisher
 
-if TYPE_CHECKING:  # torch: imported when the command runs, not when the CLI registers it
-    from trainer_backend.algorithms.grpo import LossConfig
-
 log = logging.getLogger(__name__)
+
+# flag -> (settings field, type, help); every default is None: "not given, the file or the default decides"
+FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--store": ("run.store", str, "trace store URL (required, here or in the config)"),
+    "--model": ("run.model", str, "base model directory, HF format (required, here or in the config)"),
+    "--serve": ("run.serve", str, "vLLM server URL to publish weights to (omit: no publishing)"),
+    "--gateway": ("run.gateway", str, "gateway URL to pause during swaps"),
+    "--gateway-token": ("run.gateway_token", str, "the gateway's bearer token (default: $LIGHTNING_GATEWAY_TOKEN)"),
+    "--engine": ("run.engine", str, "torch (one machine) or verl (GPU clusters)"),
+    "--mode": ("run.mode", str, "async (train while agents run) or sync"),
+    "--checkpoints": ("run.checkpoints", str, "checkpoint directory"),
+    "--trainer-id": ("run.trainer_id", str, "this lineage's name; one live daemon per id"),
+    "--max-steps": ("run.max_steps", int, "stop after this many steps"),
+    "--max-staleness": ("run.max_staleness", int, "async: policy versions a rollout may lag"),
+    "--max-len": ("run.max_len", int, "truncate training rows to this many tokens"),
+    "--tensorboard": ("run.tensorboard", str, "write step metrics to this TensorBoard log dir"),
+    "--group-size": ("group.size", int, "rollouts per task in a full group"),
+    "--groups-per-step": ("group.per_step", int, "groups a step waits for"),
+    "--group-timeout": ("group.timeout_s", float, "a group older than this trains with what it has"),
+    "--algo": ("algorithm.name", str, "grpo | dr_grpo | rloo | reinforce_pp | gspo"),
+    "--advantage-level": ("algorithm.advantage_level", str, "rollout (default) | sample (each row its own sample)"),
+    "--loss-agg": ("algorithm.loss_agg", str,
+                   "rollout-token-mean (default) | token-mean | seq-mean-token-mean | seq-mean-token-sum"),
+    "--lr": ("optim.lr", float, "peak learning rate"),
+    "--lr-schedule": ("optim.lr_schedule", str, "constant | linear | cosine (after the warm-up)"),
+    "--warmup-steps": ("optim.warmup_steps", int, "linear lr warm-up steps"),
+    "--max-grad-norm": ("optim.max_grad_norm", float, "gradient clipping norm"),
+    "--clip-low": ("loss.clip_low", float, "PPO ratio clip below 1"),
+    "--clip-high": ("loss.clip_high", float, "PPO ratio clip above 1 (0.28: clip-higher)"),
+    "--dual-clip": ("loss.dual_clip", float, "dual clip c for negative advantages (default 3; 0 turns it off)"),
+    "--kl-coef": ("loss.kl_coef", float, "KL to the frozen base model, in the loss"),
+    "--kl-estimator": ("loss.kl_estimator", str, "k1 | k2 | k3"),
+    "--entropy-coef": ("loss.entropy_coef", float, "entropy bonus"),
+    "--precision": ("engine.precision", str, "auto (bf16 where native and faster, else fp32) | fp32 | bf16 | "
+                                             "bf16-autocast"),
+    "--micro-batch-tokens": ("engine.micro_batch_tokens", int, "padded tokens per micro-batch"),
+}
+SWITCHES = {  # store_true flags: only an explicit flag overrides the file
+    "--freeze-embeddings": ("engine.freeze_embeddings", "freeze the (tied) embeddings"),
+    "--compile": ("engine.compile", "torch.compile the decoder layers"),
+    "--gradient-checkpointing": ("engine.gradient_checkpointing", "recompute activations in backward"),
+}
 
 
 def add_cli(sub: Any) -> None:
     p = sub.add_parser("trainer", help="run the trainer daemon: poll the store, train, publish weights")
-    p.add_argument("--store", required=True, help="trace store URL")
-    p.add_argument("--model", required=True, help="base model directory (HF format)")
-    p.add_argument("--serve", default=None, help="vLLM server URL to publish weights to (omit: no publishing)")
-    p.add_argument("--gateway", default=None, help="gateway URL to pause during swaps")
-    p.add_argument("--gateway-token", default=None,
-                   help="the gateway's bearer token (default: $LIGHTNING_GATEWAY_TOKEN)")
-    p.add_argument("--engine", choices=["torch", "verl"], default="torch")
-    p.add_argument("--mode", choices=["async", "sync"], default="async")
-    p.add_argument("--checkpoints", default="runs/checkpoints")
-    p.add_argument("--trainer-id", default="trainer-0")
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--groups-per-step", type=int, default=16)
-    p.add_argument("--group-timeout", type=float, default=300.0)
-    p.add_argument("--max-staleness", type=int, default=1)
-    p.add_argument("--max-len", type=int, default=None)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--dual-clip", type=float, default=3.0, metavar="C",
-                   help="PPO dual clip for negative advantages: token loss at most -A*C (default 3, as verl; "
-                        "0 turns it off)")
-    p.add_argument("--micro-batch-tokens", type=int, default=8192)
-    p.add_argument("--freeze-embeddings", action="store_true")
-    p.add_argument("--bf16", action="store_true",
-                   help="bf16 compute with fp32 master weights (torch: --precision bf16; verl: FSDP param dtype)")
-    p.add_argument("--precision", choices=("auto", "fp32", "bf16-autocast", "bf16"), default=None,
-                   help="torch engine precision (overrides --bf16); default auto: bf16 where the device "
-                        "computes it natively and faster than fp32 (measured once, cached), else fp32")
-    p.add_argument("--compile", action="store_true",
-                   help="torch engine: torch.compile the decoder layers (faster steps after a slow first few)")
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--tensorboard", default=None, help="write step metrics to this TensorBoard log dir")
+    p.add_argument("--config", default=None, help="a trainer.toml (flags override it)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
+    for flag, (_field, typ, help_text) in FLAGS.items():
+        p.add_argument(flag, type=typ, default=None, help=help_text)
+    for flag, (_field, help_text) in SWITCHES.items():
+        p.add_argument(flag, action="store_true", default=None, help=help_text)
+    p.add_argument("--bf16", action="store_true", help="= --precision bf16 (verl: the FSDP compute dtype)")
     p.set_defaults(func=run_trainer)
 
 
+def settings_from(args: argparse.Namespace) -> TrainerSettings:
+    """The configuration the flags and `--config` give (SettingsError names what is wrong)."""
+    overrides: dict[str, Any] = {}
+    for flag, (field, _t, _h) in FLAGS.items():
+        overrides[field] = getattr(args, flag.lstrip("-").replace("-", "_"))
+    for flag, (field, _h) in SWITCHES.items():
+        overrides[field] = getattr(args, flag.lstrip("-").replace("-", "_"))
+    if getattr(args, "bf16", False) and overrides["engine.precision"] is None:
+        overrides["engine.precision"] = "bf16"
+    return TrainerSettings.load(args.config, overrides)
+
+
 def run_trainer(args: argparse.Namespace) -> int:
-    config = TrainerConfig(
-        checkpoint_dir=args.checkpoints, trainer_id=args.trainer_id, mode=args.mode,
-        max_staleness=args.max_staleness, max_len=args.max_len,
-        group=GroupPolicy(group_size=args.group_size, groups_per_step=args.groups_per_step,
-                          group_timeout_s=args.group_timeout),
-    )
-    store = TraceStore(args.store)
-    start_dir, version = TrainerDaemon.resume_point(store, args.model, args.trainer_id)
-    engine = make_engine(args, start_dir, version)
+    try:
+        settings = settings_from(args)
+        if not args.print_config and (settings.run.store is None or settings.run.model is None):
+            raise SettingsError("run.store and run.model are required (--store, --model, or the config)")
+    except SettingsError as exc:
+        print(f"lightning-mw trainer: {exc}")
+        return 2
+    if args.print_config:
+        print(settings.to_toml(), end="")
+        return 0
+    r = settings.run
+    assert r.store is not None and r.model is not None
+    store = TraceStore(r.store)
+    config = settings.trainer_config()
+    start_dir, version = TrainerDaemon.resume_point(store, r.model, config.trainer_id)
+    engine = make_engine(settings, start_dir, version)
     publisher = None
-    if args.serve:
-        publisher = WeightPublisher(args.serve, gateway_url=args.gateway, gateway_token=args.gateway_token)
+    if r.serve:
+        publisher = WeightPublisher(r.serve, gateway_url=r.gateway, gateway_token=r.gateway_token)
         if version > 0:  # the server may hold weights of a step that never committed
             publisher.publish(start_dir, version)
     daemon = TrainerDaemon(store, engine, config, publisher)
-    tb = _tensorboard(args.tensorboard)
+    tb = _tensorboard(r.tensorboard)
 
     def report(result: StepResult) -> None:
         m = result.metrics
@@ -83,51 +124,41 @@ def run_trainer(args: argparse.Namespace) -> int:
                     tb.add_scalar(k, v, result.step)
             tb.flush()
 
-    print(f"trainer {config.trainer_id}: {args.engine} engine from {start_dir} (version {version}), "
-          f"{config.mode} mode, waiting for {config.group.groups_per_step} groups of {config.group.group_size}")
+    print(f"trainer {config.trainer_id}: {r.engine} engine, {config.algorithm} from {start_dir} "
+          f"(version {version}), {config.mode} mode, waiting for {config.group.groups_per_step} groups "
+          f"of {config.group.group_size}")
     try:
-        daemon.run(max_steps=args.max_steps, on_step=report)
+        daemon.run(max_steps=r.max_steps, on_step=report)
     except KeyboardInterrupt:
         print("stopped")
+    finally:
+        daemon.close()
     return 0
 
 
-def make_engine(args: argparse.Namespace, start_dir: Path, version: int) -> Engine:
-    """The engine the `trainer` flags ask for, starting from `start_dir` at `version`."""
-    loss = loss_config(args)
-    if args.engine == "verl":
+def make_engine(settings: TrainerSettings, start_dir: Path, version: int) -> Engine:
+    """The engine the settings ask for, starting from `start_dir` at `version`."""
+    if settings.run.engine == "verl":
         import torch
 
         from trainer_backend.engines.verl_engine import VerlEngine, VerlEngineConfig
 
         n_gpus = int(os.environ.get("VERL_N_GPUS", torch.cuda.device_count() or 1))
-        vcfg = VerlEngineConfig(lr=args.lr, n_gpus=n_gpus, max_token_len_per_gpu=max(args.micro_batch_tokens, 1024),
-                                freeze_embeddings=args.freeze_embeddings,
-                                param_dtype="bf16" if args.bf16 else "fp32", loss=loss)
-        return VerlEngine(start_dir, vcfg, policy_version=version, work_dir=Path(args.checkpoints) / "_verl")
-    from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig
+        e, o = settings.engine, settings.optim
+        vcfg = VerlEngineConfig(lr=o.lr, n_gpus=n_gpus, max_token_len_per_gpu=max(e.micro_batch_tokens, 1024),
+                                freeze_embeddings=e.freeze_embeddings,
+                                param_dtype="bf16" if e.precision.startswith("bf16") else "fp32",
+                                loss=settings.loss_config())
+        return VerlEngine(start_dir, vcfg, policy_version=version,
+                          work_dir=Path(settings.run.checkpoints) / "_verl")
+    from trainer_backend.engines.torch_engine import TorchEngine
 
-    cfg = TorchEngineConfig(lr=args.lr, micro_batch_tokens=args.micro_batch_tokens,
-                            freeze_embeddings=args.freeze_embeddings,
-                            precision=args.precision or ("bf16" if args.bf16 else "auto"), compile=args.compile,
-                            loss=loss)
-    return TorchEngine(start_dir, cfg, policy_version=version)
-
-
-def loss_config(args: argparse.Namespace) -> LossConfig:
-    from trainer_backend.algorithms.grpo import LossConfig
-
-    if args.dual_clip and args.dual_clip <= 1.0:
-        raise SystemExit(f"--dual-clip must be > 1 (or 0 for off), got {args.dual_clip}")
-    return LossConfig(dual_clip_c=args.dual_clip or None)
+    return TorchEngine(start_dir, settings.engine_config(), policy_version=version)
 
 
 def _tensorboard(logdir: str | None) -> Any:
     if not logdir:
         return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        log.warning("tensorboard is not installed; --tensorboard ignored")
-        return None
+    from torch.utils.tensorboard import SummaryWriter
+
     return SummaryWriter(logdir)

@@ -41,7 +41,7 @@ from typing import Any
 
 from lightning_middleware import PolicyVersion, Rollout, TraceStore, TrainStep
 from lightning_middleware.rows import RowStats, build_rows_for_rollouts, with_advantages
-from lightning_middleware.store import get_store
+from lightning_middleware.store import LeaseLost, StoreError, get_store
 from trainer_backend.engines.base import Engine, Publisher
 
 log = logging.getLogger(__name__)
@@ -65,9 +65,13 @@ class TrainerConfig:
     max_staleness: int = 1  # async: policy versions a rollout may lag
     stale: str = "drop"  # drop | keep
     max_len: int | None = None
-    norm_by_std: bool = True  # GRPO std-normalised advantage (False: mean-only)
+    norm_by_std: bool = True  # GRPO std-normalised advantage (False: mean-only, the same as dr_grpo)
+    algorithm: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gspo (algorithms/advantages.py)
+    advantage_level: str = "rollout"  # rollout | sample (each row its own sample: the ablation)
     poll_interval_s: float = 0.5
     keep_checkpoints: int = 3
+    success_threshold: float = 1.0  # a rollout succeeded at reward >= this (evaluation's rule too)
+    lease_s: float = 60.0  # another daemon may take over this trainer id after this long without a heartbeat
     group: GroupPolicy = field(default_factory=GroupPolicy)
 
     def __post_init__(self) -> None:
@@ -75,6 +79,12 @@ class TrainerConfig:
             raise ValueError(f"mode must be 'async' or 'sync', got {self.mode!r}")
         if self.stale not in ("drop", "keep"):
             raise ValueError(f"stale must be 'drop' or 'keep', got {self.stale!r}")
+        from trainer_backend.algorithms.advantages import ALGORITHMS, LEVELS
+
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        if self.advantage_level not in LEVELS:
+            raise ValueError(f"advantage_level must be one of {LEVELS}, got {self.advantage_level!r}")
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,12 @@ class TrainerDaemon:
         self.skipped_total: Counter[str] = Counter()
         self._skipped_since_step: Counter[str] = Counter()
         self._stop = threading.Event()
+        self._closed = threading.Event()
+        # One live run per trainer id (refused otherwise): a second daemon of the same id would
+        # release this one's claims and train them again. Taken before touching any claim.
+        self.run_id = self.store.acquire_trainer(config.trainer_id, lease_s=config.lease_s)
+        self._heartbeat = threading.Thread(target=self._beat, daemon=True, name=f"lease-{config.trainer_id}")
+        self._heartbeat.start()
         self._step = self._last_step()
         released = self.store.release_claims(config.trainer_id)
         if released:
@@ -126,7 +142,35 @@ class TrainerDaemon:
         return max(steps, default=0)
 
     def stop(self) -> None:
+        """Make `run()` return after the current step (the lease is kept: see `close`)."""
         self._stop.set()
+
+    def close(self) -> None:
+        """Stop, and hand the trainer id back so another daemon of that id may start at once."""
+        self._stop.set()
+        self._closed.set()
+        self._heartbeat.join(timeout=5)
+        try:
+            self.store.release_trainer(self.config.trainer_id, self.run_id)
+        except StoreError as exc:  # the store is down: the lease expires by itself
+            log.warning("could not release the lease of %s: %s", self.config.trainer_id, exc)
+
+    def __enter__(self) -> TrainerDaemon:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def _beat(self) -> None:
+        while not self._closed.wait(self.config.lease_s / 4):
+            try:
+                self.store.trainer_heartbeat(self.config.trainer_id, self.run_id)
+            except LeaseLost as exc:  # another run took the id over: this one must not commit
+                log.error("%s; stopping", exc)
+                self._stop.set()
+                return
+            except Exception as exc:  # noqa: BLE001 - a store hiccup: the next beat retries
+                log.warning("trainer lease heartbeat failed: %s", exc)
 
     def run(self, *, max_steps: int | None = None, idle_timeout_s: float | None = None,
             on_step: Callable[[StepResult], None] | None = None) -> list[StepResult]:
@@ -235,27 +279,35 @@ class TrainerDaemon:
 
     def _too_stale(self, r: Rollout, current: int) -> bool:
         if r.policy_version is None:
-            return False  # unknown: the agent did not say which version served it
+            # Unknown lag: sync mode promises on-policy batches and cannot check it; async mode
+            # keeps it (the PPO ratio against the behaviour log-probs still applies).
+            return self.config.mode == "sync"
         lag = current - r.policy_version
         if self.config.mode == "sync":
             return lag != 0
         return lag > self.config.max_staleness and self.config.stale == "drop"
 
-    def train(self, batch: Batch) -> StepResult:
+    def train(self, batch: Batch) -> StepResult | None:
         t0 = time.perf_counter()
         rollouts = batch.rollouts
         calls = self.store.calls_for([r.id for r in rollouts], training_only=True)
         rows, row_stats = build_rows_for_rollouts(((r, calls[r.id]) for r in rollouts), max_len=self.config.max_len)
-        from trainer_backend.algorithms.grpo import rollout_advantages  # torch: only where training happens
+        from trainer_backend.algorithms.advantages import advantages_for  # torch: only where training happens
 
-        adv = rollout_advantages({r.id: float(r.final_reward) for r in rollouts},  # type: ignore[arg-type]
-                                 {r.id: r.task_id for r in rollouts}, norm_by_std=self.config.norm_by_std)
-        rows = with_advantages(rows, adv)
+        algorithm = self.config.algorithm
+        if algorithm == "grpo" and not self.config.norm_by_std:
+            algorithm = "dr_grpo"
+        row_adv = advantages_for(algorithm, rollouts, rows, level=self.config.advantage_level)
+        rows = with_advantages(rows, row_adv)
+        adv = {row.rollout_id: row.advantage for row in rows}  # for the metrics (rollout level: one per rollout)
         t_build = time.perf_counter() - t0
-        engine_metrics = self.engine.step(rows) if rows else {}
+        if not rows:  # nothing trainable (no token IDs?): no update, no new version; consumed as skipped
+            log.warning("a batch of %d rollouts had no trainable rows (calls without token IDs?); skipped",
+                        len(rollouts))
+            self._skip(rollouts, Counter({"no_trainable_rows": len(rollouts)}))
+            return None
+        engine_metrics = self.engine.step(rows)
         version = self.engine.policy_version
-        if not rows:  # nothing trainable (no token IDs?): keep the version, still consume
-            log.warning("step had no trainable rows (%d rollouts)", len(rollouts))
         ckpt = self._save(version)
         publish = self._publish(ckpt, version)
         self._step += 1
@@ -266,6 +318,7 @@ class TrainerDaemon:
                       rollout_ids=tuple(r.id for r in rollouts), trainer_id=self.config.trainer_id),
             PolicyVersion(version=version, path=str(ckpt), trainer_id=self.config.trainer_id,
                           metadata={"step": self._step}),
+            run_id=self.run_id,
         )
         self._prune_checkpoints(version)
         log.info("step %d -> version %d: reward %.3f, loss %.4f, %d rows, %.1fs", self._step, version,
@@ -308,7 +361,7 @@ class TrainerDaemon:
             **{k: float(v) for k, v in engine_metrics.items() if isinstance(v, (int, float))},
             "reward_mean": mean,
             "reward_std": std,
-            "success_rate": sum(1 for x in rewards if x > 0) / len(rewards),
+            "success_rate": sum(1 for x in rewards if x >= self.config.success_threshold) / len(rewards),
             "adv_mean": sum(advs) / len(advs),
             "adv_abs_mean": sum(abs(a) for a in advs) / len(advs),
             "n_rollouts": len(rollouts),

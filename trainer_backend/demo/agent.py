@@ -34,7 +34,7 @@ def make_agent(base_url: str, store: TraceStore) -> Any:
     from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
     from langchain_openai import ChatOpenAI
 
-    llm = wrap(ChatOpenAI(model=SERVED_NAME, base_url=base_url, api_key="-", temperature=1.0,  # type: ignore[call-arg,arg-type]
+    llm = wrap(ChatOpenAI(model=SERVED_NAME, base_url=base_url, api_key="-", temperature=1.0,
                           max_tokens=48, timeout=120, max_retries=2), store=store)  # the one line
     policy = llm.bind_tools([guess_tool()])
 

@@ -235,7 +235,7 @@ class DemoRun:
             if self._timer is not None:
                 self._timer.cancel()
             if self.daemon is not None:
-                self.daemon.stop()
+                self.daemon.close()
             if self.controller is not None:
                 self.controller.stop()
                 for t in self._threads:

@@ -29,6 +29,8 @@ from transformers import AutoModelForCausalLM
 
 from lightning_middleware.rows import Row
 from trainer_backend.algorithms.grpo import LossConfig, loss_weights, policy_loss, token_logprobs_entropy
+from trainer_backend.algorithms.sampling import sampled_logits
+from trainer_backend.engines.batching import MicroBatch, make_micro_batch, split_micro_batches
 from trainer_backend.engines.precision import resolve_precision
 
 log = logging.getLogger(__name__)
@@ -63,64 +65,35 @@ class TorchEngineConfig:
     # a new batch shape recompiles once more, then torch marks the dimensions dynamic).
     compile: bool = False
     reference_model: bool = False  # keep a frozen copy of the start weights for KL; implied by loss.kl_coef > 0
+    # The frozen reference's weights (KL): None means the model the engine starts from. A resumed
+    # run starts from its last checkpoint, so the daemon passes the base model here.
+    reference_dir: str | None = None
+    # Learning-rate schedule over optimizer steps: a linear warm-up over `warmup_steps`, then
+    # "constant", or a "linear" / "cosine" decay to lr * min_lr_ratio at `total_steps`.
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
 
 
 PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+# Optimizer and schedule state saved beside the weights, so a resumed run continues exactly.
+STATE_FILE = "trainer_state.pt"
 
 
-# ---------------------------------------------------------------- batching
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """Padded tensors for some rows; per-token tensors are shifted to the predicted position."""
-
-    index: tuple[int, ...]  # positions of these rows in the step
-    input_ids: torch.Tensor  # (B, T)
-    attention_mask: torch.Tensor  # (B, T)
-    targets: torch.Tensor  # (B, T-1): input_ids[:, 1:]
-    weights: torch.Tensor  # (B, T-1)
-    advantages: torch.Tensor  # (B, T-1)
-    behaviour_logp: torch.Tensor  # (B, T-1); 0 where unknown
-    has_behaviour: torch.Tensor  # (B,) bool
-
-
-def split_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Greedy, in order: add rows while rows x longest row stays within max_tokens (a row alone always fits)."""
-    batches: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i, n in enumerate(lengths):
-        if current and (len(current) + 1) * max(longest, n) > max_tokens:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, n)
-    if current:
-        batches.append(current)
-    return batches
-
-
-def make_micro_batch(rows: Sequence[Row], index: Sequence[int], weights: Sequence[torch.Tensor],
-                     pad_id: int = 0) -> MicroBatch:
-    T = max(len(rows[i]) for i in index)
-    B = len(index)
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attn = torch.zeros(B, T, dtype=torch.long)
-    w = torch.zeros(B, T)
-    blp = torch.zeros(B, T)
-    has = torch.zeros(B, dtype=torch.bool)
-    for b, i in enumerate(index):
-        row, n = rows[i], len(rows[i])
-        ids[b, :n] = torch.tensor(row.input_ids)
-        attn[b, :n] = 1
-        w[b, :n] = weights[i]
-        if row.behaviour_logprobs is not None:
-            blp[b, :n] = torch.tensor(row.behaviour_logprobs)
-            has[b] = True
-    adv = torch.tensor([rows[i].advantage for i in index], dtype=torch.float32).unsqueeze(-1).expand(B, T - 1)
-    return MicroBatch(index=tuple(index), input_ids=ids, attention_mask=attn, targets=ids[:, 1:],
-                      weights=w[:, 1:], advantages=adv, behaviour_logp=blp[:, 1:], has_behaviour=has)
+def lr_factor(config: TorchEngineConfig, step: int) -> float:
+    """The multiplier of the peak lr at optimizer step `step` (0-based)."""
+    if config.warmup_steps and step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.lr_schedule == "constant" or not config.total_steps:
+        return 1.0
+    span = max(1, config.total_steps - config.warmup_steps)
+    done = min(1.0, max(0.0, (step - config.warmup_steps) / span))
+    floor = config.min_lr_ratio
+    if config.lr_schedule == "linear":
+        return floor + (1.0 - floor) * (1.0 - done)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * done))
 
 
 # ---------------------------------------------------------------- the engine
@@ -140,6 +113,8 @@ class TorchEngine:
     ) -> None:
         if config.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, not {config.precision!r}")
+        if config.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, not {config.lr_schedule!r}")
         config = replace(config, precision=resolve_precision(config.precision, device=torch.device(device).type))
         if config.precision == "bf16" and dtype != torch.float32:
             raise ValueError("precision='bf16' keeps fp32 master weights: load the model with dtype=torch.float32")
@@ -157,7 +132,10 @@ class TorchEngine:
             self.model.get_input_embeddings().weight.requires_grad_(False)
         self.ref_model = None
         if config.reference_model or config.loss.kl_coef > 0:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+            loaded: Any = None if config.reference_dir is None else AutoModelForCausalLM.from_pretrained(
+                config.reference_dir, dtype=dtype)
+            ref = copy.deepcopy(self.model) if loaded is None else loaded.to(self.device)
+            self.ref_model = ref.eval().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # The optimizer's parameters: the model's own, or fp32 masters of the bf16 model's.
         self.master = self.params
@@ -172,6 +150,8 @@ class TorchEngine:
         self.optimizer = torch.optim.AdamW(self.master, lr=config.lr, betas=config.betas, eps=config.adam_eps,
                                            weight_decay=config.weight_decay,
                                            fused=self.device.type in ("cpu", "cuda"))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda k: lr_factor(self.config, k))
+        self.resumed = self._load_state(self.source_dir / STATE_FILE)
         pad = self.model.config.pad_token_id
         self.pad_id = int(pad) if pad is not None else 0
         log.info("TorchEngine: %s, %.2fM trainable params, %s, version %d", self.source_dir,
@@ -191,11 +171,28 @@ class TorchEngine:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def set_lr(self, lr: float) -> None:
-        """Learning rate for the following steps (a schedule lives with the caller, e.g. the demo's)."""
+        """Peak learning rate for the following steps (the configured schedule scales it; a caller
+        with its own schedule, like the demo, keeps the default "constant" and sets it each step)."""
         if not lr > 0:
             raise ValueError(f"learning rate must be positive, got {lr}")
+        self.scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
+        factor = lr_factor(self.config, self.scheduler.last_epoch)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * factor
+
+    def _load_state(self, path: Path) -> bool:
+        """Continue from a checkpoint's optimizer and schedule state, if it has one."""
+        if not path.is_file():
+            return False
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        except (KeyError, ValueError) as exc:  # other trainable parameters (e.g. freeze_embeddings changed)
+            log.warning("optimizer state in %s does not fit this engine (%s): starting it fresh", path, exc)
+            return False
+        log.info("resumed the optimizer and lr schedule from %s (step %d)", path, self.scheduler.last_epoch)
+        return True
 
     # -- forward helpers
 
@@ -219,6 +216,10 @@ class TorchEngine:
             logits = model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device),
                            use_cache=False, logits_to_keep=keep).logits  # (B, K, V)
         targets = mb.targets.to(self.device)[:, keep]
+        if mb.temperature is not None or mb.top_p is not None or mb.top_k is not None:
+            # the distribution each token was sampled from (algorithms/sampling.py)
+            logits = sampled_logits(logits, *(None if t is None else t.to(self.device)[:, keep]
+                                              for t in (mb.temperature, mb.top_p, mb.top_k)))
         logp_k, ent_k = token_logprobs_entropy(logits, targets, with_entropy)
         logp = logp_k.new_zeros(mb.targets.shape).index_copy(1, keep, logp_k)
         entropy = None
@@ -266,6 +267,7 @@ class TorchEngine:
             loss, mb_sums = policy_loss(logp, old_logp, mb.advantages.to(self.device), mb.weights.to(self.device),
                                         cfg, ref_logp=ref_logp, entropy=entropy)
             loss.backward()
+            mb_sums.update(_behaviour_gap(logp, mb, self.device))
             for k, v in mb_sums.items():
                 sums[k] = max(sums.get(k, -math.inf), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)
 
@@ -275,14 +277,20 @@ class TorchEngine:
                 p.grad = None
         clip = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master, clip))
+        lr_used = self.lr
         self.optimizer.step()
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not self.params:
             with torch.no_grad():
                 for m, p in zip(self.master, self.params):
                     p.copy_(m)
         self.policy_version += 1
-        return self._metrics(rows, batches, sums, grad_norm, time.perf_counter() - t0)
+        metrics = self._metrics(rows, batches, sums, grad_norm, time.perf_counter() - t0)
+        metrics["lr"] = lr_used
+        if sums.get("gap_tokens"):  # |vLLM's log-prob - ours| before the update: 0 up to rounding if they agree
+            metrics["behaviour_logprob_gap"] = sums["gap_abs_sum"] / sums["gap_tokens"]
+        return metrics
 
     def _metrics(self, rows: Sequence[Row], batches: Sequence[MicroBatch], sums: dict[str, float],
                  grad_norm: float, elapsed: float) -> dict[str, float]:
@@ -311,6 +319,20 @@ class TorchEngine:
             metrics["kl_ref"] = sums["kl_ref"]
         return metrics
 
+    @torch.no_grad()
+    def token_logprobs(self, rows: Sequence[Row]) -> list[tuple[float, ...]]:
+        """The current policy's log-prob of every token of each row as the trainer computes it
+        (at the row's sampling parameters); 0.0 at positions that are not response tokens."""
+        weights = loss_weights([torch.tensor(r.loss_mask) for r in rows], [r.rollout_id for r in rows], "token-mean")
+        out: list[tuple[float, ...]] = [()] * len(rows)
+        for idx in split_micro_batches([len(r) for r in rows], self.config.micro_batch_tokens):
+            mb = make_micro_batch(rows, idx, weights, self.pad_id)
+            logp, _ = self._forward(self.model, mb, with_entropy=False)
+            for b, i in enumerate(idx):
+                masked = (logp[b] * (mb.weights[b] != 0)).tolist()[: len(rows[i]) - 1]
+                out[i] = (0.0, *masked)
+        return out
+
     # -- weights out
 
     def _fp32_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -326,9 +348,21 @@ class TorchEngine:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out, state_dict=self._fp32_state_dict())  # safetensors only in transformers 5
+        # vLLM loads only the safetensors; the optimizer's moments (2x the trainable weights in
+        # fp32) let a restarted trainer continue the same AdamW and lr schedule.
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                    "policy_version": self.policy_version}, out / STATE_FILE)
         for name in TOKENIZER_FILES:
             src = self.source_dir / name
             if src.is_file() and not (out / name).exists():
                 shutil.copy2(src, out / name)
         log.info("saved policy version %d to %s", self.policy_version, out)
         return out
+
+
+def _behaviour_gap(logp: torch.Tensor, mb: MicroBatch, device: torch.device) -> dict[str, torch.Tensor]:
+    """Sum of |behaviour - current| log-prob over the response tokens that have vLLM's log-prob."""
+    mask = (mb.weights != 0) & mb.has_behaviour.unsqueeze(-1)
+    mask = mask.to(device)
+    gap = (mb.behaviour_logp.to(device) - logp.detach()).abs()
+    return {"gap_abs_sum": (gap * mask).sum(), "gap_tokens": mask.sum().float()}

@@ -129,6 +129,12 @@ class VLLMServer:
             "--enforce-eager",
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
             "--worker-extension-cls", WORKER_EXTENSION,
+            # Log-probs of the distribution each token was sampled from (after temperature and
+            # top-k/top-p), the behaviour policy the trainer's ratio compares with; and the API's
+            # sampling defaults, not the model's generation_config, so that a request without a
+            # temperature was sampled at 1 as the trainer assumes (lightning_middleware/rows.py).
+            "--logprobs-mode", "processed_logprobs",
+            "--generation-config", "vllm",
         ]  # fmt: skip
         return cmd + list(self.extra_args)
 

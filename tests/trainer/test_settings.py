@@ -1,0 +1,94 @@
+"""The trainer's configuration: a TOML file, flags over it, validation that names the field."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from trainer_backend.daemon.cli import add_cli, run_trainer, settings_from
+from trainer_backend.daemon.settings import SettingsError, TrainerSettings
+
+CONFIG = """
+[run]
+store = "sqlite:///traces.db"
+model = "/models/base"
+mode = "sync"
+
+[group]
+size = 4
+per_step = 2
+
+[algorithm]
+name = "rloo"
+advantage_level = "sample"
+
+[optim]
+lr = 3e-5
+lr_schedule = "cosine"
+total_steps = 100
+
+[loss]
+kl_coef = 0.02
+kl_estimator = "k1"
+dual_clip = 0
+"""
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    return parser.parse_args(["trainer", *argv])
+
+
+def test_file_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "trainer.toml"
+    path.write_text(CONFIG)
+    s = settings_from(_parse("--config", str(path), "--lr", "1e-5", "--group-size", "8"))
+    assert s.optim.lr == 1e-5 and s.group.size == 8  # the flags win
+    assert s.group.per_step == 2 and s.algorithm.name == "rloo" and s.run.mode == "sync"  # the file
+    assert s.loss.dual_clip is None and s.loss.kl_estimator == "k1" and s.engine.precision == "auto"  # defaults
+    cfg, eng = s.trainer_config(), s.engine_config()
+    assert (cfg.algorithm, cfg.advantage_level, cfg.group.group_size) == ("rloo", "sample", 8)
+    assert (eng.lr, eng.lr_schedule, eng.total_steps, eng.loss.kl_coef, eng.loss.dual_clip_c) == (
+        1e-5, "cosine", 100, 0.02, None)
+    assert TrainerSettings.load(None, {}).run.engine == "torch"
+
+
+def test_print_config_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "trainer.toml"
+    path.write_text(CONFIG)
+    assert run_trainer(_parse("--config", str(path), "--print-config", "--algo", "gspo")) == 0
+    printed = capsys.readouterr().out
+    assert 'name = "gspo"' in printed and "lr = 3e-05" in printed
+    again = tmp_path / "resolved.toml"
+    again.write_text(printed)
+    assert TrainerSettings.load(again) == TrainerSettings.load(path, {"algorithm.name": "gspo"})
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[loss]\nclip_low = -0.1\n", "loss.clip_low: Input should be greater than 0"),
+    ("[loss]\nclip_lo = 0.1\n", "loss.clip_lo: Extra inputs are not permitted"),
+    ("[algorithm]\nname = \"ppo2\"\n", "algorithm.name: Input should be 'grpo'"),
+    ("[group]\nsize = 2\nmin_size = 4\n", "group.min_size (4) is larger than group.size (2)"),
+    ("[optim]\nlr_schedule = \"linear\"\n", "needs optim.total_steps or run.max_steps"),
+    ("[run\n", "is not valid TOML"),
+])
+def test_bad_configs_name_the_field(tmp_path: Path, text: str, message: str,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(SettingsError, match="^") as err:
+        TrainerSettings.load(path)
+    assert message in str(err.value)
+    assert run_trainer(_parse("--config", str(path))) == 2
+    out = capsys.readouterr().out
+    assert message in out and "Traceback" not in out
+
+
+def test_store_and_model_are_required(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_trainer(_parse("--store", "sqlite:///x.db")) == 2
+    assert "run.store and run.model are required" in capsys.readouterr().out
+    with pytest.raises(SettingsError, match="cannot read"):
+        TrainerSettings.load("/nonexistent/trainer.toml")

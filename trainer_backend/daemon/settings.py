@@ -1,0 +1,204 @@
+"""The trainer's whole configuration, from a TOML file and command-line flags, validated.
+
+    lightning-mw trainer --config trainer.toml --lr 5e-5      # a flag overrides the file
+    lightning-mw trainer --config trainer.toml --print-config # the resolved configuration
+
+Every section is a pydantic model: an unknown key or a bad value is an error that names the
+field (`loss.clip_low: Input should be greater than 0`). `TrainerSettings.engine_config()`,
+`.trainer_config()` and `.loss_config()` turn it into what the engine and the daemon take.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+class SettingsError(ValueError):
+    """The configuration is invalid; the message names each bad field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunSettings(_Section):
+    store: str | None = None
+    model: str | None = None  # the base model directory (HF format)
+    serve: str | None = None  # vLLM server to publish weights to
+    gateway: str | None = None  # gateway to pause during swaps
+    gateway_token: str | None = None  # default: $LIGHTNING_GATEWAY_TOKEN
+    engine: Literal["torch", "verl"] = "torch"
+    mode: Literal["async", "sync"] = "async"
+    checkpoints: str = "runs/checkpoints"
+    keep_checkpoints: int = Field(3, ge=1)
+    trainer_id: str = "trainer-0"
+    max_steps: int | None = Field(None, ge=1)
+    max_staleness: int = Field(1, ge=0)
+    stale: Literal["drop", "keep"] = "drop"
+    max_len: int | None = Field(None, ge=2)
+    success_threshold: float = 1.0
+    tensorboard: str | None = None
+
+
+class GroupSettings(_Section):
+    size: int = Field(8, ge=1)  # rollouts per task that make a full group
+    per_step: int = Field(16, ge=1)  # groups a step waits for
+    min_size: int = Field(2, ge=1)
+    timeout_s: float = Field(300.0, gt=0)
+
+
+class AlgorithmSettings(_Section):
+    name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo"] = "grpo"
+    # "rollout": one advantage per rollout, every row of it shares it (the default); "sample":
+    # each row is its own sample in its group (verl's view: a rollout split in k rows counts k times)
+    advantage_level: Literal["rollout", "sample"] = "rollout"
+    loss_agg: Literal["rollout-token-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = (
+        "rollout-token-mean")
+
+
+class OptimSettings(_Section):
+    lr: float = Field(1e-4, gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    total_steps: int | None = Field(None, ge=1)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)  # 0 (or None): no clipping
+    adam_eps: float = Field(1e-8, gt=0)
+
+    @field_validator("max_grad_norm", mode="before")
+    @classmethod
+    def _no_clip(cls, v: Any) -> Any:
+        return None if v == 0 else v
+
+
+class LossSettings(_Section):
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    clip_high: float = Field(0.2, gt=0)
+    dual_clip: float | None = Field(3.0, gt=1)  # 0 (or None): off
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0)
+
+    @field_validator("dual_clip", mode="before")
+    @classmethod
+    def _off(cls, v: Any) -> Any:
+        return None if v == 0 else v
+
+
+class EngineSettings(_Section):
+    precision: Literal["auto", "fp32", "bf16-autocast", "bf16"] = "auto"
+    micro_batch_tokens: int = Field(8192, ge=16)
+    gradient_checkpointing: bool = False
+    compile: bool = False
+    freeze_embeddings: bool = False
+
+
+class TrainerSettings(_Section):
+    run: RunSettings = RunSettings()
+    group: GroupSettings = GroupSettings()
+    algorithm: AlgorithmSettings = AlgorithmSettings()
+    optim: OptimSettings = OptimSettings()
+    loss: LossSettings = LossSettings()
+    engine: EngineSettings = EngineSettings()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainerSettings:
+        if self.group.min_size > self.group.size:
+            raise ValueError(f"group.min_size ({self.group.min_size}) is larger than group.size ({self.group.size})")
+        if self.optim.lr_schedule != "constant" and self.optim.total_steps is None and self.run.max_steps is None:
+            raise ValueError(f"optim.lr_schedule {self.optim.lr_schedule!r} needs optim.total_steps or run.max_steps")
+        return self
+
+    # -- loading ------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainerSettings:
+        """A TOML file (optional) with `overrides` ("section.key" -> value, None ignored) on top."""
+        data: dict[str, Any] = {}
+        if path is not None:
+            try:
+                data = tomllib.loads(Path(path).read_text())
+            except OSError as exc:
+                raise SettingsError(f"cannot read the trainer config {path}: {exc.strerror or exc}") from None
+            except tomllib.TOMLDecodeError as exc:
+                raise SettingsError(f"{path} is not valid TOML: {exc}") from None
+        for dotted, value in (overrides or {}).items():
+            if value is None:
+                continue
+            section, _, key = dotted.partition(".")
+            section_data = data.setdefault(section, {})
+            if not isinstance(section_data, dict):
+                raise SettingsError(f"{section}: expected a table, got {section_data!r}")
+            section_data[key] = value
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise SettingsError(_describe(exc, path)) from None
+
+    def to_toml(self) -> str:
+        """The resolved configuration as TOML, loadable again. TOML has no null: a None whose
+        default is None (not set) is left out; one that turns a default off is written 0."""
+        lines: list[str] = []
+        for section, values in self.model_dump().items():
+            lines.append(f"[{section}]")
+            fields = type(getattr(self, section)).model_fields
+            for key, value in values.items():
+                if value is None and fields[key].default is None:
+                    continue
+                lines.append(f"{key} = {json.dumps(0 if value is None else value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+    # -- what the engine and the daemon take -------------------------------------------
+    def loss_config(self) -> Any:
+        from trainer_backend.algorithms.grpo import LossConfig
+
+        agg = self.algorithm.loss_agg
+        if self.algorithm.name == "gspo" and "loss_agg" not in self.algorithm.model_fields_set:
+            agg = "seq-mean-token-mean"  # GSPO's sequence-level objective
+        return LossConfig(agg=agg, clip_low=self.loss.clip_low, clip_high=self.loss.clip_high,
+                          dual_clip_c=self.loss.dual_clip, kl_coef=self.loss.kl_coef, kl_kind=self.loss.kl_estimator,
+                          entropy_coef=self.loss.entropy_coef, ratio_level="sequence" if self.algorithm.name == "gspo"
+                          else "token")
+
+    def engine_config(self) -> Any:
+        from trainer_backend.engines.torch_engine import TorchEngineConfig
+
+        o, e = self.optim, self.engine
+        return TorchEngineConfig(
+            lr=o.lr, adam_eps=o.adam_eps, weight_decay=o.weight_decay, grad_clip=o.max_grad_norm,
+            loss=self.loss_config(), micro_batch_tokens=e.micro_batch_tokens, freeze_embeddings=e.freeze_embeddings,
+            precision=e.precision, gradient_checkpointing=e.gradient_checkpointing, compile=e.compile,
+            reference_dir=self.run.model, lr_schedule=o.lr_schedule, warmup_steps=o.warmup_steps,
+            total_steps=o.total_steps or self.run.max_steps, min_lr_ratio=o.min_lr_ratio)
+
+    def trainer_config(self) -> Any:
+        from trainer_backend.daemon.trainer_daemon import GroupPolicy, TrainerConfig
+
+        r, g, a = self.run, self.group, self.algorithm
+        return TrainerConfig(
+            checkpoint_dir=r.checkpoints, trainer_id=r.trainer_id, mode=r.mode, max_staleness=r.max_staleness,
+            stale=r.stale, max_len=r.max_len, keep_checkpoints=r.keep_checkpoints,
+            success_threshold=r.success_threshold, algorithm=a.name, advantage_level=a.advantage_level,
+            group=GroupPolicy(group_size=g.size, groups_per_step=g.per_step, min_group_size=g.min_size,
+                              group_timeout_s=g.timeout_s))
+
+
+def _describe(exc: ValidationError, path: str | Path | None) -> str:
+    where = f" in {path}" if path else ""
+    problems = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(the configuration)"
+        msg = err["msg"].removeprefix("Value error, ")
+        problems.append(f"{field}: {msg}" + (f" (got {err['input']!r})" if err["type"] != "missing"
+                                             and not isinstance(err.get("input"), dict) else ""))
+    return f"invalid trainer configuration{where}:\n  " + "\n  ".join(problems)
