@@ -30,6 +30,8 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--groups-in-flight", type=int, default=d.groups_in_flight)
     p.add_argument("--max-staleness", type=int, default=d.max_staleness)
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--algo", choices=("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo"), default=d.algo,
+                   help="the RL algorithm (docs/trainer.md, choosing and tuning)")
     p.add_argument("--dual-clip", type=float, default=d.dual_clip,
                    help="PPO dual clip c (> 1) for negative advantages; 0 turns it off")
     p.add_argument("--lr-warmup-steps", type=int, default=d.lr_warmup_steps)
@@ -58,7 +60,7 @@ def run_cli(args: argparse.Namespace) -> int:
                      mode=mode, eval_tasks=args.eval_tasks, groups_per_step=args.groups_per_step,
                      group_size=args.group_size, groups_in_flight=args.groups_in_flight,
                      max_staleness=args.max_staleness, lr=args.lr,
-                     dual_clip=args.dual_clip if args.dual_clip and args.dual_clip > 0 else None,
+                     dual_clip=args.dual_clip if args.dual_clip and args.dual_clip > 0 else None, algo=args.algo,
                      lr_end=args.lr_end if args.lr_end and args.lr_end > 0 else None,
                      lr_warmup_steps=max(0, args.lr_warmup_steps),
                      sft_steps=args.sft_steps, warm_start_precision=args.warm_start_precision,

@@ -68,6 +68,7 @@ class DemoConfig:
     lr_end: float | None = 1e-4  # linear decay from lr to lr_end over the RL budget; None: constant
     lr_warmup_steps: int = 10  # Adam's first steps move every weight by ~lr: start small
     clip: float = 0.2
+    algo: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gspo (trainer_backend/algorithms/advantages.py)
     dual_clip: float | None = 3.0  # c > 1: bound -A*ratio at -A*c for A < 0 (stale rollouts' large ratios)
     sft_steps: int | None = None  # None: WarmStartConfig's default
     warm_start_precision: str = "auto"  # bf16 autocast where native and faster, else fp32
@@ -179,14 +180,16 @@ class DemoRun:
         # compare against vLLM's fp32 log-probs.
         engine = TorchEngine(self.model_dir, TorchEngineConfig(
             lr=lr_at(cfg, 1, 0.0), freeze_embeddings=True, precision="fp32",
-            loss=LossConfig(clip_low=cfg.clip, clip_high=cfg.clip, dual_clip_c=cfg.dual_clip)))
+            loss=LossConfig(clip_low=cfg.clip, clip_high=cfg.clip, dual_clip_c=cfg.dual_clip, **_loss_of(cfg.algo))))
         daemon = self.daemon = TrainerDaemon(
             store, engine,
             TrainerConfig(checkpoint_dir=str(self.out / "checkpoints"), mode=cfg.mode, max_staleness=cfg.max_staleness,
+                          algorithm=cfg.algo,
                           group=GroupPolicy(group_size=cfg.group_size, groups_per_step=cfg.groups_per_step,
                                             group_timeout_s=600)),
             WeightPublisher(self.server.url))
-        say(f"[4/5] RL for {cfg.minutes:g} min ({cfg.mode})" + (f" or {cfg.max_steps} steps" if cfg.max_steps else "")
+        budget = f" or {cfg.max_steps} steps" if cfg.max_steps else ""
+        say(f"[4/5] RL for {cfg.minutes:g} min{budget} ({cfg.mode}, {cfg.algo})"
             + f": {cfg.groups_per_step} tasks x {cfg.group_size} samples per step, lr {cfg.lr:g} "
             f"(warm-up {cfg.lr_warmup_steps} steps" + (f", then to {cfg.lr_end:g} by the end)" if cfg.lr_end is not None
                                                        else ")"))
@@ -355,6 +358,11 @@ class _TrainingLoop:
             self.bar.n = int(self.cfg.minutes * 60)
             self.bar.close()
             self.bar = None
+
+
+def _loss_of(algo: str) -> dict[str, str]:
+    """GSPO's sequence-level ratio and aggregation; the other algorithms differ in their advantages."""
+    return {"ratio_level": "sequence", "agg": "seq-mean-token-mean"} if algo == "gspo" else {}
 
 
 def lr_at(cfg: DemoConfig, step: int, spent: float) -> float:
