@@ -13,7 +13,7 @@ import logging
 import sys
 from importlib.metadata import entry_points
 
-from lightning_middleware.store import StoreError
+from lightning_middleware.errors import UsageError
 
 ENTRY_POINT_GROUP = "lightning_middleware.commands"
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except StoreError as exc:  # a bad store URL or path: one line that names it, no traceback
+    except UsageError as exc:  # a bad URL, path, file or name: one line that names it, no traceback
         print(f"lightning-mw {args.command}: {exc}", file=sys.stderr)
         return 2
 

@@ -19,8 +19,11 @@ _OPTIONS = orjson.OPT_NON_STR_KEYS
 def dumps(value: Any) -> str:
     try:
         return orjson.dumps(value, default=str, option=_OPTIONS).decode()
-    except (TypeError, orjson.JSONEncodeError):  # e.g. an int beyond 64 bits
-        return json.dumps(value, default=str, separators=(",", ":"))
+    except (TypeError, orjson.JSONEncodeError):  # e.g. an int beyond 64 bits, or nesting beyond orjson's 254
+        try:
+            return json.dumps(value, default=str, separators=(",", ":"))
+        except (RecursionError, ValueError):  # too deep even for the standard library: keep a trace, not the value
+            return json.dumps({"lightning_unstorable": f"a {type(value).__name__} nested too deeply to store"})
 
 
 def loads(data: bytes | str) -> Any:

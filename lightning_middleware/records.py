@@ -175,3 +175,16 @@ class EvalResult:
     metrics: dict[str, Any] = field(default_factory=dict)
     rollout_ids: tuple[str, ...] = ()
     id: int | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something a component noticed, e.g. a trainer health check ("entropy_collapse")."""
+
+    kind: str
+    message: str
+    source: str | None = None  # e.g. the trainer id
+    step: int | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+    created_at: float = 0.0
+    id: int | None = None

@@ -17,6 +17,7 @@ from typing import Any
 
 from lightning_middleware.capture import RolloutHandle, rollout
 from lightning_middleware.controller.jobs import RolloutJob, RolloutOutcome, type_names
+from lightning_middleware.errors import UsageError
 from lightning_middleware.records import RolloutStatus
 from lightning_middleware.store import TraceStore, get_store
 
@@ -132,18 +133,27 @@ async def aexecute_job(agent: AgentFn, job: RolloutJob, store: TraceStore | None
                           duration_s=time.monotonic() - t0, worker=worker_name())
 
 
+class AgentNotFound(UsageError, ValueError):
+    """The agent "module:function" cannot be imported."""
+
+
 def resolve_agent(agent: AgentFn | str) -> AgentFn:
     """An agent function, or "package.module:function"."""
     if callable(agent):
         return agent
     if not isinstance(agent, str) or ":" not in agent:
-        raise ValueError(f"agent must be a callable or 'module:function', got {agent!r}")
+        raise AgentNotFound(f"agent must be a callable or 'module:function', got {agent!r}")
     mod, _, name = agent.partition(":")
-    fn: Any = importlib.import_module(mod)
-    for part in name.split("."):
-        fn = getattr(fn, part)
+    try:
+        fn: Any = importlib.import_module(mod)
+        for part in name.split("."):
+            fn = getattr(fn, part)
+    except ImportError as exc:
+        raise AgentNotFound(f"cannot import the agent {agent!r}: {exc}") from None
+    except AttributeError:
+        raise AgentNotFound(f"cannot import the agent {agent!r}: module {mod!r} has no {name!r}") from None
     if not callable(fn):
-        raise TypeError(f"{agent} is not callable")
+        raise AgentNotFound(f"the agent {agent!r} is not callable")
     return fn
 
 

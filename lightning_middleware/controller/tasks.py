@@ -7,8 +7,14 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from lightning_middleware.errors import UsageError
+
 # A JSONL path, or dicts (a list, a generator, a `datasets.Dataset`).
 TaskSource = str | os.PathLike[str] | Iterable[dict[str, Any]]
+
+
+class TaskFileError(UsageError, ValueError):
+    """A task set that can't be read: a missing file, a line that is not a JSON object, a duplicate id."""
 
 
 def load_tasks(tasks: TaskSource, *, task_id_key: str = "task_id") -> list[tuple[str, dict[str, Any]]]:
@@ -16,23 +22,40 @@ def load_tasks(tasks: TaskSource, *, task_id_key: str = "task_id") -> list[tuple
 
     The task id is `task[task_id_key]`, else `task["id"]`, else "task-<index>".
     """
-    if isinstance(tasks, (str, os.PathLike)):
-        rows: Iterable[Any] = []
-        with open(tasks, encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    else:
-        rows = tasks
+    rows: Iterable[Any] = _read_jsonl(tasks) if isinstance(tasks, (str, os.PathLike)) else tasks
     out: list[tuple[str, dict[str, Any]]] = []
     seen: set[str] = set()
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
-            row = dict(row)
+            try:
+                row = dict(row)
+            except (TypeError, ValueError):
+                raise TaskFileError(f"task {i} is not an object: {row!r:.80}") from None
         tid = row.get(task_id_key)
         if tid is None:
             tid = row.get("id")
         tid = f"task-{i}" if tid is None else str(tid)
         if tid in seen:
-            raise ValueError(f"duplicate task id {tid!r}: task ids name GRPO groups and must be unique")
+            raise TaskFileError(f"duplicate task id {tid!r}: task ids name GRPO groups and must be unique")
         seen.add(tid)
         out.append((tid, row))
     return out
+
+
+def _read_jsonl(path: str | os.PathLike[str]) -> list[Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = list(f)
+    except OSError as exc:
+        raise TaskFileError(f"cannot read the task file {os.fspath(path)!r}: {exc.strerror or exc}") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError as exc:
+            raise TaskFileError(f"{os.fspath(path)}, line {n}: not JSON ({exc})") from None
+        if not isinstance(rows[-1], dict):
+            raise TaskFileError(f"{os.fspath(path)}, line {n}: a task is a JSON object, got {line.strip()[:60]}")
+    return rows

@@ -1,8 +1,11 @@
 """One upstream call per logical call: a retried request is answered from the first one.
 
-An `Idempotency-Key` header replays the stored response for `idempotency_ttl_s`; an identical
-body resent within a rollout while the first copy is in flight, or within `retry_window_s`
-after it succeeded, is answered from the first (a client's retry storm stays one call). A
+An `Idempotency-Key` header replays the stored response for `idempotency_ttl_s`. Without a key,
+only a request that says it is a retry (the openai SDK's `x-stainless-retry-count` above 0, which
+LangChain, AutoGen and the Agents SDK send through it too) is matched by its body: resent within a
+rollout while the first copy is in flight, or within `retry_window_s` after it succeeded, it is
+answered from the first (a client's retry storm stays one call). An identical body that is not a
+retry is a new sample (self-consistency, a task retried at temperature > 0) and goes upstream. A
 failed call is never replayed: its retry goes upstream.
 """
 
@@ -43,6 +46,17 @@ class Flight:
         return self.result is None or now - self.finished_at > self.ttl
 
 
+RETRY_HEADER = "x-stainless-retry-count"  # the openai SDK's attempt counter (0 on the first attempt)
+
+
+def is_retry(headers: Mapping[str, str]) -> bool:
+    """The request says it repeats an earlier attempt."""
+    try:
+        return int(headers.get(RETRY_HEADER, "0")) > 0
+    except ValueError:
+        return False
+
+
 class ReplayCache:
     """Flights by key, oldest first; bounded by `max_entries` (in-flight entries are never dropped)."""
 
@@ -66,11 +80,13 @@ class ReplayCache:
             return ("body", rollout_id, path, body_hash), self.retry_window_s
         return None, 0.0
 
-    async def claim(self, key: Key, ttl: float, body_hash: str) -> Flight | Cached:
-        """A new flight the caller must run and `land`, or the cached answer to replay."""
+    async def claim(self, key: Key, ttl: float, body_hash: str, *, replay: bool = True) -> Flight | Cached:
+        """A new flight the caller must run and `land`, or the cached answer to replay. With
+        `replay=False` (an identical body that is not a retry: a new sample) always a new flight,
+        which later retries of this body are answered from."""
         while True:
-            found = self._flights.get(key)
-            if found is not None and found.body_hash != body_hash:
+            found = self._flights.get(key) if replay else None
+            if found is not None and found.body_hash != body_hash:  # (only idempotency keys can differ)
                 raise HTTPError(409, "Idempotency-Key reused with a different request body",
                                 code="idempotency_conflict")
             if found is None or (found.done.is_set() and found.expired(time.monotonic())):

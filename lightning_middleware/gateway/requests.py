@@ -12,6 +12,7 @@ from lightning_middleware import fastjson
 from lightning_middleware.gateway.errors import HTTPError
 from lightning_middleware.gateway.responses import Receive
 
+MAX_DEPTH = 1024  # JSON nesting orjson accepts; deeper bodies get a 400
 ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,64}$")  # rollout ids: safe in a URL path and a log line
 
 
@@ -49,11 +50,14 @@ def parse_object(raw: bytes) -> dict[str, Any]:
     rejects, e.g. integers beyond 64 bits), or a 400."""
     try:
         payload = fastjson.loads(raw)
-    except ValueError:
+    except ValueError as exc:
+        if "depth limit" in str(exc):  # orjson stops at 1024 levels; the stdlib would overflow the stack
+            raise HTTPError(400, f"request body is nested more than {MAX_DEPTH} levels deep",
+                            code="invalid_json") from None
         try:
             payload = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise HTTPError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc2:
+            raise HTTPError(400, f"request body is not valid JSON: {exc2}", code="invalid_json") from None
     if not isinstance(payload, dict):
         raise HTTPError(400, "request body must be a JSON object", code="invalid_json")
     return payload

@@ -50,7 +50,7 @@ from lightning_middleware.gateway.auth import TOKEN_ENV, check_bearer, is_loopba
 from lightning_middleware.gateway.errors import GatewayConfigError, HTTPError, error_reply, upstream_error
 from lightning_middleware.gateway.forwarding import Forwarder
 from lightning_middleware.gateway.registry import RolloutRegistry
-from lightning_middleware.gateway.replay import Cached, Flight, ReplayCache
+from lightning_middleware.gateway.replay import Cached, Flight, ReplayCache, is_retry
 from lightning_middleware.gateway.requests import Receive, parse_object, receive_body
 from lightning_middleware.gateway.responses import Full, Scope, Send, StreamResponse, bind_socket
 from lightning_middleware.gateway.upstreams import Upstream, UpstreamPool
@@ -293,7 +293,7 @@ class Gateway:
         key, ttl = self.replay.key_for(headers, rollout_id, path, body_hash)
         flight: Flight | None = None
         if key is not None:
-            claimed = await self.replay.claim(key, ttl, body_hash)
+            claimed = await self.replay.claim(key, ttl, body_hash, replay=key[0] == "idem" or is_retry(headers))
             if isinstance(claimed, Cached):
                 return Full(claimed.status, claimed.headers + [(REPLAY_HEADER.encode(), b"1")], claimed.body)
             flight = claimed

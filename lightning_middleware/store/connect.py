@@ -10,12 +10,13 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.pool import StaticPool
 
 from lightning_middleware import fastjson
+from lightning_middleware.errors import UsageError
 
 DEFAULT_URL = "sqlite:///./lightning_traces.db"
 ENV_URL = "LIGHTNING_STORE_URL"
 
 
-class StoreError(RuntimeError):
+class StoreError(UsageError, RuntimeError):
     """The store could not be opened or used; the message says what to fix."""
 
 

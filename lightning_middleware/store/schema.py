@@ -136,6 +136,20 @@ eval_results = sa.Table(
     sa.Column("rollout_ids", sa.JSON, nullable=True),
 )
 
+# Events (store/training.py): what a trainer noticed and warned about (health checks), for
+# notebooks and operators; one row each, never read back by the trainer.
+events = sa.Table(
+    "events",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("created_at", sa.Float, nullable=False, index=True),
+    sa.Column("kind", sa.String(64), nullable=False, index=True),
+    sa.Column("source", sa.String(128), nullable=True),
+    sa.Column("step", sa.Integer, nullable=True),
+    sa.Column("message", sa.Text, nullable=False),
+    sa.Column("data", sa.JSON, nullable=True),
+)
+
 schema_info = sa.Table(
     "schema_info",
     metadata,

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
-from lightning_middleware.records import PolicyVersion, TrainStep
+from lightning_middleware.records import Event, PolicyVersion, TrainStep
 from lightning_middleware.store import mapping as M
 from lightning_middleware.store import schema as S
 from lightning_middleware.store.connect import StoreError
@@ -184,3 +184,21 @@ class TrainerOps:
                     .values(consumed_step=step.step)
                 )
 
+    # -- events ------------------------------------------------------------------
+    def add_event(self, event: Event) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(sa.insert(S.events).values(
+                created_at=event.created_at or time.time(), kind=event.kind, source=event.source, step=event.step,
+                message=event.message, data=event.data or None))
+
+    def events(self, kind: str | None = None, source: str | None = None) -> list[Event]:
+        """Events, oldest first (optionally one kind, one source)."""
+        t = S.events
+        q = sa.select(t).order_by(t.c.id)
+        if kind is not None:
+            q = q.where(t.c.kind == kind)
+        if source is not None:
+            q = q.where(t.c.source == source)
+        with self.engine.connect() as conn:
+            return [Event(id=r.id, created_at=r.created_at, kind=r.kind, source=r.source, step=r.step,
+                          message=r.message, data=r.data or {}) for r in conn.execute(q)]

@@ -237,10 +237,13 @@ def reply(path: str, headers: Mapping[str, str], raw: bytes) -> ScriptedReply:
     """The answer to a POST of `raw` to a completions route (`headers` with lower-case names)."""
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return _error(400, "invalid JSON")
     if not isinstance(body, dict):
         return _error(400, "the body must be a JSON object")
+    messages = body.get("messages")
+    if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
+        return _error(400, "messages must be a list of objects")  # as vLLM's request validation answers
     if headers.get("x-test-strict") and set(body) - _KNOWN_FIELDS:
         return _error(400, f"unknown fields {sorted(set(body) - _KNOWN_FIELDS)}")
     fail_times = int(headers.get("x-test-fail-times", "0"))

@@ -274,6 +274,23 @@ def test_clear_json_errors(gw_lite: Gateway) -> None:
     err(httpx.get(base + "/v1/chat/completions"), 405, "method_not_allowed")
 
 
+@pytest.mark.parametrize("depth", [20_000, 1_500, 1_000])
+def test_deeply_nested_bodies_are_a_400_not_a_500(gw_lite: Gateway, sqlite_store: TraceStore, depth: int) -> None:
+    """orjson stops at 1024 levels, the standard library overflows its stack a little later: both
+    are a 400 that says so; a body that parses but is no chat request is the upstream's 400."""
+    rid = _create(gw_lite)["id"]
+    body = b'{"model": "m", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+    r = httpx.post(gw_lite.rollout_base_url(rid) + "/chat/completions", content=body,
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert 400 <= r.status_code < 500, r.text
+    assert r.json()["error"]["message"]
+    if depth > 1024:
+        assert r.json()["error"]["code"] == "invalid_json" and "nested" in r.json()["error"]["message"]
+    assert httpx.get(gw_lite.url + "/health").status_code == 200  # still up
+    _finish(gw_lite, rid)
+    assert not any(c.is_training for c in sqlite_store.calls(rid))
+
+
 # --------------------------------------------------------------------------
 # Idempotency and retries: one training call
 # --------------------------------------------------------------------------
@@ -318,6 +335,22 @@ def test_retry_storm_is_one_training_call(gw: Gateway, store: TraceStore) -> Non
     calls = store.calls(rid)
     assert len(calls) == 2 and all(c.is_training for c in calls)
     assert gw.state()["counters"]["replayed"] >= 15
+
+
+def test_identical_samples_that_are_not_retries_go_upstream(gw: Gateway, store: TraceStore) -> None:
+    """Two identical temperature-1 requests in one rollout are two samples (the agent meant both);
+    the openai SDK's retry of one of them is answered from it."""
+    rid = _create(gw)["id"]
+    url = gw.rollout_base_url(rid) + "/chat/completions"
+    body = {"model": "m", "temperature": 1.0, "messages": [{"role": "user", "content": "sample me twice"}]}
+    first = httpx.post(url, json=body, headers={"x-stainless-retry-count": "0"}, timeout=30)
+    second = httpx.post(url, json=body, timeout=30)
+    retry = httpx.post(url, json=body, headers={"x-stainless-retry-count": "1"}, timeout=30)
+    assert "x-lightning-replayed" not in first.headers and "x-lightning-replayed" not in second.headers
+    assert retry.headers["x-lightning-replayed"] == "1"
+    _finish(gw, rid)
+    calls = store.calls(rid)
+    assert len(calls) == 2 and all(c.is_training for c in calls)  # the upstream saw two calls
 
 
 def test_failed_upstream_attempts_are_recorded_not_trained(gw_lite: Gateway, sqlite_store: TraceStore) -> None:

@@ -163,3 +163,21 @@ def test_micro_batches_add_up_for_every_algorithm_loss():
         parts = sum(policy_loss(logp[i], old[i], adv[i], weights[i], cfg, ref_logp=ref_logp[i])[0]
                     for i in ([0, 1], [2, 3], [4, 5]))
         assert float(parts) == pytest.approx(float(full), abs=TOL), cfg
+
+
+def test_truncated_importance_sampling_weights_each_token_by_the_capped_ratio():
+    """TIS: the ratio is against the current policy (1 before the update) and each token's loss
+    is weighted by min(pi_current / pi_behaviour, C), detached."""
+    logp = torch.tensor([[-1.0, -1.0, -2.0]], requires_grad=True)
+    behaviour = torch.tensor([[-1.0, -3.0, -1.0]])  # ratios 1, e^2 (capped at 2), e^-1
+    adv = torch.ones(1, 3)
+    weights = torch.full((1, 3), 1 / 3)
+    cfg = LossConfig(agg="token-mean", tis_threshold=2.0)
+    loss, sums = policy_loss(logp, logp.detach(), adv, weights, cfg, behaviour_logp=behaviour)
+    w = torch.tensor([1.0, 2.0, float(np.exp(-1.0))])
+    assert loss.item() == pytest.approx(-(w.sum() / 3).item(), abs=TOL)  # ratio 1: -A * w, averaged
+    grad, = torch.autograd.grad(loss, logp)
+    assert torch.allclose(grad, -w.unsqueeze(0) / 3, atol=TOL)  # d/dlogp of -A * w * e^(logp - sg(logp))
+    assert sums["tis_truncated_tokens"].item() == 1 and sums["tis_weight_sum"].item() == pytest.approx(w.sum().item())
+    with pytest.raises(ValueError, match="behaviour_logp"):
+        policy_loss(logp, logp.detach(), adv, weights, cfg)

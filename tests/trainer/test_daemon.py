@@ -232,3 +232,49 @@ def test_success_uses_the_threshold_and_sync_drops_unversioned(llm_server, store
     sync.engine.policy_version = 0
     assert sync.step_once() is None and sync.skipped_total["stale"] == 4
     sync.close()
+
+
+def test_evaluation_every_n_steps_keeps_the_best_and_stops_early(llm_server, store, model_dir, tmp_path) -> None:
+    from trainer_backend.daemon.validation import EvalPolicy
+
+    url = store.url.render_as_string(hide_password=False)
+    tasks = tmp_path / "val.jsonl"
+    tasks.write_text("".join(json.dumps({"task_id": f"val-{i}", "question": f"held out {i}",
+                                         "base_url": llm_server.base_url, "store": url}) + "\n" for i in range(3)))
+    run_rollouts(llm_server, store, {f"t{i}": [1, 0, 1, 0] for i in range(8)})  # work for 8 steps
+    ckpts = tmp_path / "ckpt-trainer-0"
+    daemon = make_daemon(store, model_dir, tmp_path, group=GroupPolicy(group_size=4, groups_per_step=1),
+                         keep_checkpoints=1, eval=EvalPolicy(agent="tests.controller.controller_agents:tool_agent",
+                                                            tasks=str(tasks), every=2, patience=2, concurrency=3))
+    results = daemon.run(idle_timeout_s=2.0)
+    daemon.close()
+    # evaluations after steps 2, 4, 6: the first is the best (the agent's reward never changes), then two
+    # without improvement: early stop after step 6, though two more groups wait
+    assert [r.step for r in results] == [1, 2, 3, 4, 5, 6]
+    evals = store.eval_results("val")
+    assert [e.step for e in evals] == [2, 4, 6] and all(e.metrics["rollouts"] == 3 for e in evals)
+    assert [e.policy_version for e in evals] == [2, 4, 6]  # tagged with the version that served them
+    best = json.loads((ckpts / "best.json").read_text())
+    assert best["step"] == 2 and best["value"] == 1.0
+    assert sorted(p.name for p in ckpts.glob("v*")) == ["v000002", "v000006"]  # the best survives keep=1
+    [stop] = store.events(kind="early_stop")
+    assert stop.step == 6 and "v000002" in stop.message
+    assert {r.mode for r in store.query_rollouts(mode="val")} == {"val"} and len(store.query_rollouts(mode="val")) == 9
+
+
+def test_health_checks_warn_with_the_remedy_and_record_events(llm_server, store, model_dir, tmp_path, caplog) -> None:
+    from trainer_backend.daemon.monitoring import HealthConfig
+
+    run_rollouts(llm_server, store, {"a": [1, 0, 1, 0]})
+    daemon = make_daemon(store, model_dir, tmp_path, group=GroupPolicy(group_size=4, groups_per_step=1),
+                         health=HealthConfig(entropy_floor=1e6))  # any entropy is "collapsed" for this test
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="trainer_backend.daemon.trainer_daemon"):
+        result = daemon.step_once()
+    daemon.close()
+    assert result is not None and result.metrics["health_entropy_collapse"] == 1.0
+    [event] = store.events(kind="entropy_collapse")
+    assert event.source == "trainer-0" and event.step == 1 and "entropy_coef" in event.data["remedy"]
+    assert "Remedy: the policy is turning deterministic" in caplog.text
+    assert store.train_steps()[0].metrics["health_entropy_collapse"] == 1.0

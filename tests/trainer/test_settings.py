@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_middleware.cli import main
 from trainer_backend.daemon.cli import add_cli, run_trainer, settings_from
 from trainer_backend.daemon.settings import SettingsError, TrainerSettings
 
@@ -82,13 +83,16 @@ def test_bad_configs_name_the_field(tmp_path: Path, text: str, message: str,
     with pytest.raises(SettingsError, match="^") as err:
         TrainerSettings.load(path)
     assert message in str(err.value)
-    assert run_trainer(_parse("--config", str(path))) == 2
-    out = capsys.readouterr().out
-    assert message in out and "Traceback" not in out
+    assert main(["trainer", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
 
 
 def test_store_and_model_are_required(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_trainer(_parse("--store", "sqlite:///x.db")) == 2
-    assert "run.store and run.model are required" in capsys.readouterr().out
+    assert main(["trainer", "--store", "sqlite:///x.db"]) == 2
+    assert "run.store and run.model are required" in capsys.readouterr().err
+    assert main(["trainer", "--store", "sqlite:///x.db", "--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "run.model: no model folder at /nonexistent" in err and len(err.strip().splitlines()) == 1
     with pytest.raises(SettingsError, match="cannot read"):
         TrainerSettings.load("/nonexistent/trainer.toml")

@@ -299,6 +299,11 @@ class LossConfig:
     # "token": PPO's per-token ratio; "sequence": GSPO's ratio, the geometric mean over a row's
     # response tokens (its gradient still flows per token), without the dual clip, as verl's gspo.
     ratio_level: str = "token"
+    # Truncated importance sampling for stale rollouts (verl's token-level rollout correction, as the
+    # reference system's threshold 2): the ratio is taken against the current policy before the
+    # update and each token's loss is weighted by min(pi_current / pi_behaviour, tis_threshold).
+    # None: off (the ratio is against vLLM's behaviour log-probs, clipped and dual-clipped).
+    tis_threshold: float | None = None
 
 
 def policy_loss(
@@ -310,8 +315,12 @@ def policy_loss(
     *,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    behaviour_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch: sum_t w_t (pg_t + kl_coef kl_t - entropy_coef H_t).
+
+    With `cfg.tis_threshold`, `old_logp` should be the current policy's log-probs before the
+    update and `behaviour_logp` vLLM's: pg_t is weighted by min(exp(old - behaviour), threshold).
 
     `weights` come from `loss_weights` over the whole step and are 0 off the response,
     so micro-batch losses add up to the step loss. Also returns detached sums from which
@@ -328,7 +337,17 @@ def policy_loss(
                                dual_clip_c=cfg.dual_clip_c)
     else:
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, not {cfg.ratio_level!r}")
-    pg = (terms.pg_loss * weights).sum()
+    pg_tokens = terms.pg_loss
+    tis_sums: dict[str, torch.Tensor] = {}
+    if cfg.tis_threshold is not None:
+        if behaviour_logp is None:
+            raise ValueError("tis_threshold needs behaviour_logp")
+        raw = torch.exp(torch.clamp(old_logp - behaviour_logp, min=-20.0, max=20.0)).detach()
+        tis = torch.clamp(raw, max=cfg.tis_threshold)
+        pg_tokens = pg_tokens * tis
+        tis_sums = {"tis_weight_sum": (tis * mask).sum(),
+                    "tis_truncated_tokens": ((raw > cfg.tis_threshold) * mask).sum()}
+    pg = (pg_tokens * weights).sum()
     loss = pg
     sums = {
         "pg_loss": pg.detach(),
@@ -357,5 +376,6 @@ def policy_loss(
             loss = loss - cfg.entropy_coef * ent_w
     elif cfg.entropy_coef:
         raise ValueError("entropy_coef > 0 needs entropy")
+    sums.update(tis_sums)
     sums["loss"] = loss.detach()
     return loss, sums

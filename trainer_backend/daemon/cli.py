@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_middleware.store import TraceStore
+from trainer_backend.daemon.monitoring import Monitor
 from trainer_backend.daemon.settings import SettingsError, TrainerSettings
 from trainer_backend.daemon.trainer_daemon import StepResult, TrainerDaemon
 from trainer_backend.engines.base import Engine
@@ -35,7 +36,13 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--max-steps": ("run.max_steps", int, "stop after this many steps"),
     "--max-staleness": ("run.max_staleness", int, "async: policy versions a rollout may lag"),
     "--max-len": ("run.max_len", int, "truncate training rows to this many tokens"),
-    "--tensorboard": ("run.tensorboard", str, "write step metrics to this TensorBoard log dir"),
+    "--tensorboard": ("monitor.tensorboard", str, "write step metrics to this TensorBoard log dir"),
+    "--wandb-project": ("monitor.wandb_project", str, "log step metrics to this Weights & Biases project"),
+    "--wandb-mode": ("monitor.wandb_mode", str, "online | offline (sync later) | disabled"),
+    "--eval-every": ("eval.every", int, "held-out evaluation every N steps (needs --eval-agent, --eval-tasks)"),
+    "--eval-agent": ("eval.agent", str, "the agent function for evaluation, package.module:function"),
+    "--eval-tasks": ("eval.tasks", str, "held-out tasks, a JSONL file"),
+    "--early-stop-patience": ("eval.patience", int, "stop after N evaluations without improvement"),
     "--group-size": ("group.size", int, "rollouts per task in a full group"),
     "--groups-per-step": ("group.per_step", int, "groups a step waits for"),
     "--group-timeout": ("group.timeout_s", float, "a group older than this trains with what it has"),
@@ -53,6 +60,7 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--kl-coef": ("loss.kl_coef", float, "KL to the frozen base model, in the loss"),
     "--kl-estimator": ("loss.kl_estimator", str, "k1 | k2 | k3"),
     "--entropy-coef": ("loss.entropy_coef", float, "entropy bonus"),
+    "--tis-threshold": ("loss.tis_threshold", float, "truncated importance sampling for stale rollouts (e.g. 2)"),
     "--precision": ("engine.precision", str, "auto (bf16 where native and faster, else fp32) | fp32 | bf16 | "
                                              "bf16-autocast"),
     "--micro-batch-tokens": ("engine.micro_batch_tokens", int, "padded tokens per micro-batch"),
@@ -89,13 +97,12 @@ def settings_from(args: argparse.Namespace) -> TrainerSettings:
 
 
 def run_trainer(args: argparse.Namespace) -> int:
-    try:
-        settings = settings_from(args)
-        if not args.print_config and (settings.run.store is None or settings.run.model is None):
+    settings = settings_from(args)  # SettingsError: lightning-mw prints it on one line, exits 2
+    if not args.print_config:
+        if settings.run.store is None or settings.run.model is None:
             raise SettingsError("run.store and run.model are required (--store, --model, or the config)")
-    except SettingsError as exc:
-        print(f"lightning-mw trainer: {exc}")
-        return 2
+        if not Path(settings.run.model).is_dir():
+            raise SettingsError(f"run.model: no model folder at {settings.run.model}")
     if args.print_config:
         print(settings.to_toml(), end="")
         return 0
@@ -111,18 +118,16 @@ def run_trainer(args: argparse.Namespace) -> int:
         if version > 0:  # the server may hold weights of a step that never committed
             publisher.publish(start_dir, version)
     daemon = TrainerDaemon(store, engine, config, publisher)
-    tb = _tensorboard(r.tensorboard)
+    mon = settings.monitor
+    monitor = Monitor(tensorboard=mon.tensorboard, wandb_project=mon.wandb_project, wandb_mode=mon.wandb_mode,
+                      run_name=config.trainer_id, config=settings.model_dump())
 
     def report(result: StepResult) -> None:
         m = result.metrics
         print(f"step {result.step:4d}  v{result.policy_version}  reward {m['reward_mean']:.3f}  "
               f"success {m['success_rate']:.2f}  loss {m.get('loss', float('nan')):+.4f}  "
               f"kl {m.get('approx_kl', float('nan')):.4f}  {m['step_time_s']:.1f}s", flush=True)
-        if tb is not None:
-            for k, v in m.items():
-                if isinstance(v, (int, float)):
-                    tb.add_scalar(k, v, result.step)
-            tb.flush()
+        monitor.log(result.step, m)
 
     print(f"trainer {config.trainer_id}: {r.engine} engine, {config.algorithm} from {start_dir} "
           f"(version {version}), {config.mode} mode, waiting for {config.group.groups_per_step} groups "
@@ -133,6 +138,7 @@ def run_trainer(args: argparse.Namespace) -> int:
         print("stopped")
     finally:
         daemon.close()
+        monitor.close()
     return 0
 
 
@@ -154,11 +160,3 @@ def make_engine(settings: TrainerSettings, start_dir: Path, version: int) -> Eng
     from trainer_backend.engines.torch_engine import TorchEngine
 
     return TorchEngine(start_dir, settings.engine_config(), policy_version=version)
-
-
-def _tensorboard(logdir: str | None) -> Any:
-    if not logdir:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(logdir)

@@ -17,12 +17,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lightning_middleware.errors import UsageError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-class SettingsError(ValueError):
+class SettingsError(UsageError, ValueError):
     """The configuration is invalid; the message names each bad field."""
 
 
@@ -46,7 +48,6 @@ class RunSettings(_Section):
     stale: Literal["drop", "keep"] = "drop"
     max_len: int | None = Field(None, ge=2)
     success_threshold: float = 1.0
-    tensorboard: str | None = None
 
 
 class GroupSettings(_Section):
@@ -88,6 +89,8 @@ class LossSettings(_Section):
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = Field(0.0, ge=0)
+    # truncated importance sampling for stale rollouts: min(pi/pi_behaviour, tis_threshold) per token
+    tis_threshold: float | None = Field(None, gt=1)
 
     @field_validator("dual_clip", mode="before")
     @classmethod
@@ -103,6 +106,28 @@ class EngineSettings(_Section):
     freeze_embeddings: bool = False
 
 
+class EvalSettings(_Section):
+    every: int = Field(0, ge=0)  # evaluate after every N steps (0: never)
+    agent: str | None = None  # "package.module:function"
+    tasks: str | None = None  # a JSONL file of held-out tasks
+    n: int = Field(1, ge=1)
+    metric: str = "success_rate"
+    higher_is_better: bool = True
+    patience: int | None = Field(None, ge=1)  # early stopping
+    concurrency: int = Field(8, ge=1)
+    timeout_s: float | None = Field(None, gt=0)
+
+
+class MonitorSettings(_Section):
+    tensorboard: str | None = None  # a log dir
+    wandb_project: str | None = None
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    health_checks: bool = True
+    entropy_floor: float = Field(0.02, ge=0)
+    kl_limit: float = Field(1.0, gt=0)
+    grad_spike: float = Field(10.0, gt=1)
+
+
 class TrainerSettings(_Section):
     run: RunSettings = RunSettings()
     group: GroupSettings = GroupSettings()
@@ -110,9 +135,13 @@ class TrainerSettings(_Section):
     optim: OptimSettings = OptimSettings()
     loss: LossSettings = LossSettings()
     engine: EngineSettings = EngineSettings()
+    eval: EvalSettings = EvalSettings()
+    monitor: MonitorSettings = MonitorSettings()
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerSettings:
+        if self.eval.every and not (self.eval.agent and self.eval.tasks):
+            raise ValueError("eval.every needs eval.agent and eval.tasks")
         if self.group.min_size > self.group.size:
             raise ValueError(f"group.min_size ({self.group.min_size}) is larger than group.size ({self.group.size})")
         if self.optim.lr_schedule != "constant" and self.optim.total_steps is None and self.run.max_steps is None:
@@ -167,8 +196,8 @@ class TrainerSettings(_Section):
             agg = "seq-mean-token-mean"  # GSPO's sequence-level objective
         return LossConfig(agg=agg, clip_low=self.loss.clip_low, clip_high=self.loss.clip_high,
                           dual_clip_c=self.loss.dual_clip, kl_coef=self.loss.kl_coef, kl_kind=self.loss.kl_estimator,
-                          entropy_coef=self.loss.entropy_coef, ratio_level="sequence" if self.algorithm.name == "gspo"
-                          else "token")
+                          entropy_coef=self.loss.entropy_coef, tis_threshold=self.loss.tis_threshold,
+                          ratio_level="sequence" if self.algorithm.name == "gspo" else "token")
 
     def engine_config(self) -> Any:
         from trainer_backend.engines.torch_engine import TorchEngineConfig
@@ -182,15 +211,25 @@ class TrainerSettings(_Section):
             total_steps=o.total_steps or self.run.max_steps, min_lr_ratio=o.min_lr_ratio)
 
     def trainer_config(self) -> Any:
+        from trainer_backend.daemon.monitoring import HealthConfig
         from trainer_backend.daemon.trainer_daemon import GroupPolicy, TrainerConfig
+        from trainer_backend.daemon.validation import EvalPolicy
 
-        r, g, a = self.run, self.group, self.algorithm
+        r, g, a, e, m = self.run, self.group, self.algorithm, self.eval, self.monitor
+        policy = None
+        if e.every and e.agent and e.tasks:
+            policy = EvalPolicy(agent=e.agent, tasks=e.tasks, every=e.every, n=e.n, metric=e.metric,
+                                higher_is_better=e.higher_is_better, patience=e.patience, concurrency=e.concurrency,
+                                timeout_s=e.timeout_s)
         return TrainerConfig(
             checkpoint_dir=r.checkpoints, trainer_id=r.trainer_id, mode=r.mode, max_staleness=r.max_staleness,
             stale=r.stale, max_len=r.max_len, keep_checkpoints=r.keep_checkpoints,
             success_threshold=r.success_threshold, algorithm=a.name, advantage_level=a.advantage_level,
             group=GroupPolicy(group_size=g.size, groups_per_step=g.per_step, min_group_size=g.min_size,
-                              group_timeout_s=g.timeout_s))
+                              group_timeout_s=g.timeout_s),
+            health=HealthConfig(enabled=m.health_checks, entropy_floor=m.entropy_floor, kl_limit=m.kl_limit,
+                                grad_spike=m.grad_spike),
+            eval=policy)
 
 
 def _describe(exc: ValidationError, path: str | Path | None) -> str:

@@ -40,8 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from lightning_middleware import PolicyVersion, Rollout, TraceStore, TrainStep
+from lightning_middleware.records import Event
 from lightning_middleware.rows import RowStats, build_rows_for_rollouts, with_advantages
 from lightning_middleware.store import LeaseLost, StoreError, get_store
+from trainer_backend.daemon.monitoring import HealthChecks, HealthConfig
+from trainer_backend.daemon.validation import EvalPolicy, PeriodicEvaluation, protected_checkpoints
 from trainer_backend.engines.base import Engine, Publisher
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,8 @@ class TrainerConfig:
     success_threshold: float = 1.0  # a rollout succeeded at reward >= this (evaluation's rule too)
     lease_s: float = 60.0  # another daemon may take over this trainer id after this long without a heartbeat
     group: GroupPolicy = field(default_factory=GroupPolicy)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    eval: EvalPolicy | None = None  # held-out evaluation every N steps, best checkpoint, early stopping
 
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
@@ -113,6 +118,9 @@ class TrainerDaemon:
         self._skipped_since_step: Counter[str] = Counter()
         self._stop = threading.Event()
         self._closed = threading.Event()
+        self.health = HealthChecks(config.health)
+        self.evaluation = (PeriodicEvaluation(config.eval, self.store, config.checkpoint_dir)
+                           if config.eval is not None else None)
         # One live run per trainer id (refused otherwise): a second daemon of the same id would
         # release this one's claims and train them again. Taken before touching any claim.
         self.run_id = self.store.acquire_trainer(config.trainer_id, lease_s=config.lease_s)
@@ -150,6 +158,8 @@ class TrainerDaemon:
         self._stop.set()
         self._closed.set()
         self._heartbeat.join(timeout=5)
+        if self.evaluation is not None:
+            self.evaluation.close()
         try:
             self.store.release_trainer(self.config.trainer_id, self.run_id)
         except StoreError as exc:  # the store is down: the lease expires by itself
@@ -313,6 +323,10 @@ class TrainerDaemon:
         self._step += 1
         metrics = self._metrics(rollouts, rows, row_stats, adv, engine_metrics, batch.skipped, t_build,
                                 time.perf_counter() - t0, publish)
+        findings = self.health.check(metrics)
+        for f in findings:
+            metrics[f"health_{f.kind}"] = 1.0
+            log.warning("step %d, %s: %s. Remedy: %s", self._step, f.kind, f.message, f.remedy)
         self.store.commit_train_step(
             TrainStep(step=self._step, policy_version=version, metrics=metrics,
                       rollout_ids=tuple(r.id for r in rollouts), trainer_id=self.config.trainer_id),
@@ -320,6 +334,10 @@ class TrainerDaemon:
                           metadata={"step": self._step}),
             run_id=self.run_id,
         )
+        for f in findings:  # after the commit: an event of a step that exists
+            self.store.add_event(Event(kind=f.kind, message=f.message, source=self.config.trainer_id, step=self._step,
+                                       data={**f.data, "remedy": f.remedy}))
+        self._evaluate(version, ckpt)
         self._prune_checkpoints(version)
         log.info("step %d -> version %d: reward %.3f, loss %.4f, %d rows, %.1fs", self._step, version,
                  metrics["reward_mean"], metrics.get("loss", float("nan")), len(rows), metrics["step_time_s"])
@@ -341,11 +359,23 @@ class TrainerDaemon:
                     if isinstance(v, (int, float, bool, str))}
         return {}
 
+    def _evaluate(self, version: int, ckpt: Path) -> None:
+        if self.evaluation is None or self.evaluation.after_step(self._step, version, ckpt) is None:
+            return
+        if self.evaluation.should_stop:
+            best = self.evaluation.best
+            msg = (f"no improvement of {self.evaluation.policy.metric} in {self.evaluation.policy.patience} "
+                   f"evaluations; best {best.value:.4f} at step {best.step} ({best.path})" if best else "stopping")
+            log.warning("early stop: %s", msg)
+            self.store.add_event(Event(kind="early_stop", message=msg, source=self.config.trainer_id, step=self._step))
+            self._stop.set()
+
     def _prune_checkpoints(self, current: int) -> None:
         root = Path(self.config.checkpoint_dir)
         versions = sorted(p for p in root.glob("v*") if p.is_dir())
+        keep = protected_checkpoints(self.config.checkpoint_dir) | {f"v{current:06d}"}  # the best is never pruned
         for old in versions[: max(0, len(versions) - self.config.keep_checkpoints)]:
-            if old.name != f"v{current:06d}":
+            if old.name not in keep:
                 shutil.rmtree(old, ignore_errors=True)
 
     def _metrics(self, rollouts: Sequence[Rollout], rows: Sequence[Any], row_stats: RowStats,
@@ -361,6 +391,8 @@ class TrainerDaemon:
             **{k: float(v) for k, v in engine_metrics.items() if isinstance(v, (int, float))},
             "reward_mean": mean,
             "reward_std": std,
+            "reward_min": min(rewards),
+            "reward_max": max(rewards),
             "success_rate": sum(1 for x in rewards if x >= self.config.success_threshold) / len(rewards),
             "adv_mean": sum(advs) / len(advs),
             "adv_abs_mean": sum(abs(a) for a in advs) / len(advs),

@@ -30,7 +30,7 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,7 @@ from trainer_backend.serving.publisher import WeightPublisher
 from trainer_backend.serving.server import VLLMServer
 
 if TYPE_CHECKING:  # torch is imported when training starts
+    from trainer_backend.algorithms.grpo import LossConfig
     from trainer_backend.engines.torch_engine import TorchEngine
 
 log = logging.getLogger(__name__)
@@ -180,7 +181,7 @@ class DemoRun:
         # compare against vLLM's fp32 log-probs.
         engine = TorchEngine(self.model_dir, TorchEngineConfig(
             lr=lr_at(cfg, 1, 0.0), freeze_embeddings=True, precision="fp32",
-            loss=LossConfig(clip_low=cfg.clip, clip_high=cfg.clip, dual_clip_c=cfg.dual_clip, **_loss_of(cfg.algo))))
+            loss=_loss_of(cfg.algo, LossConfig(clip_low=cfg.clip, clip_high=cfg.clip, dual_clip_c=cfg.dual_clip))))
         daemon = self.daemon = TrainerDaemon(
             store, engine,
             TrainerConfig(checkpoint_dir=str(self.out / "checkpoints"), mode=cfg.mode, max_staleness=cfg.max_staleness,
@@ -360,9 +361,9 @@ class _TrainingLoop:
             self.bar = None
 
 
-def _loss_of(algo: str) -> dict[str, str]:
+def _loss_of(algo: str, loss: LossConfig) -> LossConfig:
     """GSPO's sequence-level ratio and aggregation; the other algorithms differ in their advantages."""
-    return {"ratio_level": "sequence", "agg": "seq-mean-token-mean"} if algo == "gspo" else {}
+    return replace(loss, ratio_level="sequence", agg="seq-mean-token-mean") if algo == "gspo" else loss
 
 
 def lr_at(cfg: DemoConfig, step: int, spent: float) -> float:

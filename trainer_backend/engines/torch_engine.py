@@ -253,8 +253,11 @@ class TorchEngine:
         weights = loss_weights([torch.tensor(r.loss_mask) for r in rows], [r.rollout_id for r in rows], cfg.agg)
         batches = [make_micro_batch(rows, idx, weights, self.pad_id)
                    for idx in split_micro_batches([len(r) for r in rows], self.config.micro_batch_tokens)]
-        # Old log-probs first, for every micro-batch, so that all are taken before any update.
-        old = [self._old_logprobs(mb) for mb in batches]
+        # Old log-probs first, for every micro-batch, so that all are taken before any update. With
+        # truncated importance sampling the old policy is the current one: every forward below
+        # runs before the update, so its detached log-probs are it (no extra forward).
+        tis = cfg.tis_threshold is not None
+        old = [None if tis else self._old_logprobs(mb) for mb in batches]
 
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
@@ -264,8 +267,13 @@ class TorchEngine:
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_logp, _ = self._forward(self.ref_model, mb, with_entropy=False)
+            behaviour = None
+            if old_logp is None:  # TIS: weigh each token by min(pi_current / pi_behaviour, threshold)
+                old_logp = logp.detach()
+                has = mb.has_behaviour.to(self.device).unsqueeze(-1)
+                behaviour = torch.where(has, mb.behaviour_logp.to(self.device), old_logp)
             loss, mb_sums = policy_loss(logp, old_logp, mb.advantages.to(self.device), mb.weights.to(self.device),
-                                        cfg, ref_logp=ref_logp, entropy=entropy)
+                                        cfg, ref_logp=ref_logp, entropy=entropy, behaviour_logp=behaviour)
             loss.backward()
             mb_sums.update(_behaviour_gap(logp, mb, self.device))
             for k, v in mb_sums.items():
@@ -288,6 +296,10 @@ class TorchEngine:
         self.policy_version += 1
         metrics = self._metrics(rows, batches, sums, grad_norm, time.perf_counter() - t0)
         metrics["lr"] = lr_used
+        if tis:
+            n_resp = max(sums["response_tokens"], 1.0)
+            metrics["tis_weight_mean"] = sums["tis_weight_sum"] / n_resp
+            metrics["tis_truncated_frac"] = sums["tis_truncated_tokens"] / n_resp
         if sums.get("gap_tokens"):  # |vLLM's log-prob - ours| before the update: 0 up to rounding if they agree
             metrics["behaviour_logprob_gap"] = sums["gap_abs_sum"] / sums["gap_tokens"]
         return metrics

@@ -1,0 +1,67 @@
+"""Every command answers a bad input with one line that names it, a non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lightning_middleware.cli", *argv], capture_output=True, text=True,
+                          timeout=120, cwd=cwd or ROOT)
+
+
+def _one_line(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-500:], proc.stderr[-2000:])
+    err = proc.stderr.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+@pytest.mark.parametrize("argv", [["inspect"], ["rollouts", "metrics"], ["export", "--out", "-"]])
+def test_a_store_in_a_missing_directory(argv: list[str], tmp_path: Path) -> None:
+    _one_line(_run(*argv, "--store", f"sqlite:///{tmp_path}/missing/dir.db"), "does not exist")
+
+
+def test_a_bad_store_url() -> None:
+    _one_line(_run("inspect", "--store", "mysql://db/x"), "unsupported store engine")
+
+
+def test_an_agent_that_cannot_be_imported(tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"task_id": "a"}\n')
+    store = f"sqlite:///{tmp_path / 'x.db'}"
+    _one_line(_run("rollouts", "run", "--agent", "nosuch:fn", "--tasks", str(tasks), "--store", store),
+              "cannot import the agent 'nosuch:fn'", "No module named 'nosuch'")
+    _one_line(_run("rollouts", "run", "--agent", "json:nosuch", "--tasks", str(tasks), "--store", store),
+              "module 'json' has no 'nosuch'")
+
+
+def test_a_missing_or_malformed_task_file(tmp_path: Path) -> None:
+    store = f"sqlite:///{tmp_path / 'x.db'}"
+    agent = "tests.controller.controller_agents:tool_agent"
+    _one_line(_run("rollouts", "run", "--agent", agent, "--tasks", str(tmp_path / "none.jsonl"), "--store", store),
+              "cannot read the task file", "none.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"task_id": "a"}\n{oops\n')
+    _one_line(_run("rollouts", "run", "--agent", agent, "--tasks", str(bad), "--store", store),
+              "bad.jsonl, line 2: not JSON")
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"task_id": "a"}\n{"task_id": "a"}\n')
+    _one_line(_run("rollouts", "run", "--agent", agent, "--tasks", str(dup), "--store", store), "duplicate task id")
+
+
+def test_the_trainer_with_a_missing_model_or_a_bad_config(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    store = f"sqlite:///{tmp_path / 'x.db'}"
+    _one_line(_run("trainer", "--store", store, "--model", "/nonexistent"), "run.model: no model folder")
+    bad = tmp_path / "trainer.toml"
+    bad.write_text("[loss]\nclip_low = 2\n")
+    proc = _run("trainer", "--config", str(bad), "--store", store, "--model", str(tmp_path))
+    assert proc.returncode == 2 and "loss.clip_low" in proc.stderr and "Traceback" not in proc.stderr

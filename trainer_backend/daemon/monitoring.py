@@ -1,0 +1,133 @@
+"""Watching a training run: health checks from the troubleshooting checklist (each a warning that
+names its remedy, and a store event), and step metrics to TensorBoard and Weights & Biases.
+
+The checks look at each step's metrics against the run's own history:
+
+    entropy_collapse   entropy below `entropy_floor`, or below `entropy_drop` x the first steps'
+    kl_explosion       approx_kl (to the behaviour policy) or kl_ref (to the base model) above `kl_limit`
+    negative_rewards   every reward of the step's rollouts below 0
+    grad_norm_spike    grad_norm above `grad_spike` x the median of the last `window` steps
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
+
+REMEDIES = {
+    "entropy_collapse": "the policy is turning deterministic and stops exploring: raise loss.entropy_coef "
+                        "(1e-3 to 1e-2), lower optim.lr, or let the agent sample at a higher temperature",
+    "kl_explosion": "the policy moves away fast: lower optim.lr, tighten loss.clip_high, raise loss.kl_coef, "
+                    "or lower run.max_staleness (stale rollouts drift the most)",
+    "negative_rewards": "every reward of the batch is negative: relative advantages still train, but check "
+                        "the reward function's sign and scale (a success must score higher than a failure)",
+    "grad_norm_spike": "one step's gradient is far above the recent ones: lower optim.lr or optim.max_grad_norm; "
+                       "stale tokens with large ratios are the usual cause (loss.dual_clip, loss.tis_threshold)",
+}
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    entropy_floor: float = 0.02
+    entropy_drop: float = 0.1  # of the mean entropy of the first `window` steps
+    kl_limit: float = 1.0
+    grad_spike: float = 10.0
+    window: int = 20
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str
+    message: str
+    data: dict[str, float]
+
+    @property
+    def remedy(self) -> str:
+        return REMEDIES[self.kind]
+
+
+class HealthChecks:
+    """Findings for each step, from its metrics and the run's history."""
+
+    def __init__(self, config: HealthConfig = HealthConfig()) -> None:
+        self.config = config
+        self._first_entropy: list[float] = []
+        self._grad_norms: deque[float] = deque(maxlen=config.window)
+
+    def check(self, metrics: dict[str, Any]) -> list[Finding]:
+        if not self.config.enabled:
+            return []
+        c, found = self.config, []
+        entropy = _number(metrics, "entropy")
+        if entropy is not None:
+            start = statistics.fmean(self._first_entropy) if self._first_entropy else None
+            if len(self._first_entropy) < c.window:
+                self._first_entropy.append(entropy)
+            dropped = start is not None and len(self._first_entropy) >= 3 and entropy < c.entropy_drop * start
+            if entropy < c.entropy_floor or dropped:
+                found.append(Finding("entropy_collapse", f"entropy {entropy:.4f} (first steps: "
+                                     f"{start if start is not None else float('nan'):.4f})",
+                                     {"entropy": entropy, "entropy_start": start or 0.0}))
+        for key in ("approx_kl", "kl_ref"):
+            kl = _number(metrics, key)
+            if kl is not None and abs(kl) > c.kl_limit:
+                found.append(Finding("kl_explosion", f"{key} {kl:.4f} above {c.kl_limit:g}", {key: kl}))
+        top = _number(metrics, "reward_max")
+        if top is not None and top < 0:
+            found.append(Finding("negative_rewards", f"the best reward of the step is {top:g}", {"reward_max": top}))
+        grad = _number(metrics, "grad_norm")
+        if grad is not None:
+            if len(self._grad_norms) >= 5:
+                median = statistics.median(self._grad_norms)
+                if median > 0 and grad > c.grad_spike * median:
+                    found.append(Finding("grad_norm_spike", f"grad_norm {grad:.3g} is {grad / median:.0f}x the "
+                                         f"median of the last {len(self._grad_norms)} steps",
+                                         {"grad_norm": grad, "median": median}))
+            self._grad_norms.append(grad)
+        return found
+
+
+def _number(metrics: dict[str, Any], key: str) -> float | None:
+    value = metrics.get(key)
+    return float(value) if isinstance(value, (int, float)) and value == value else None
+
+
+class Monitor:
+    """Step metrics to TensorBoard (a log dir) and/or Weights & Biases (a project; `mode="offline"`
+    writes the run under ./wandb for a later `wandb sync`)."""
+
+    def __init__(self, *, tensorboard: str | None = None, wandb_project: str | None = None,
+                 wandb_mode: Literal["online", "offline", "disabled"] = "online", run_name: str | None = None,
+                 config: dict[str, Any] | None = None, wandb_dir: str | None = None) -> None:
+        self._tb: Any = None
+        self._wandb: Any = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(tensorboard)
+        if wandb_project:
+            import wandb
+
+            self._wandb = wandb.init(project=wandb_project, mode=wandb_mode, name=run_name, config=config or {},
+                                     dir=wandb_dir, reinit="finish_previous")
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
