@@ -58,6 +58,9 @@ class Row:
     call_ids: tuple[str, ...] = ()
     truncated: bool = False
     advantage: float = 0.0
+    # The rollout's final reward, for algorithms whose advantages need the model (PPO's critic, a
+    # KL penalty in the reward); set by `with_advantages(..., rewards=...)`.
+    reward: float | None = None
     # Per token, the sampling parameters the token was drawn with (None: 1.0 / 1.0 / 0 for every
     # token, the common case); prompt and observation tokens carry the defaults.
     temperature: tuple[float, ...] | None = None
@@ -319,10 +322,13 @@ def build_rows_for_rollouts(
     return all_rows, total
 
 
-def with_advantages(rows: Sequence[Row], advantages: Mapping[str, float] | Sequence[float]) -> list[Row]:
-    """Copies of rows with `advantage` set: by rollout id (a mapping) or one value per row."""
-    if isinstance(advantages, Mapping):
-        return [dataclasses.replace(r, advantage=float(advantages[r.rollout_id])) for r in rows]
-    if len(advantages) != len(rows):
+def with_advantages(rows: Sequence[Row], advantages: Mapping[str, float] | Sequence[float],
+                    rewards: Mapping[str, float] | None = None) -> list[Row]:
+    """Copies of rows with `advantage` set: by rollout id (a mapping) or one value per row;
+    with `rewards` (by rollout id) also `reward`."""
+    if not isinstance(advantages, Mapping) and len(advantages) != len(rows):
         raise ValueError(f"{len(advantages)} advantages for {len(rows)} rows")
-    return [dataclasses.replace(r, advantage=float(a)) for r, a in zip(rows, advantages)]
+    values = ([advantages[r.rollout_id] for r in rows] if isinstance(advantages, Mapping) else list(advantages))
+    return [dataclasses.replace(r, advantage=float(a),
+                                reward=r.reward if rewards is None else float(rewards[r.rollout_id]))
+            for r, a in zip(rows, values)]

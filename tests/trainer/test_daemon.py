@@ -278,3 +278,31 @@ def test_health_checks_warn_with_the_remedy_and_record_events(llm_server, store,
     assert event.source == "trainer-0" and event.step == 1 and "entropy_coef" in event.data["remedy"]
     assert "Remedy: the policy is turning deterministic" in caplog.text
     assert store.train_steps()[0].metrics["health_entropy_collapse"] == 1.0
+
+
+def test_ppo_and_dpo_from_the_settings_through_the_daemon(llm_server, store, model_dir, tmp_path) -> None:
+    """PPO trains a group whose rewards are all equal (its critic, not the group, is the baseline) and
+    saves its critic; DPO trains the best and the worst rollout of each group and nothing else."""
+    from trainer_backend.daemon.settings import TrainerSettings
+
+    def daemon_for(algo: str, **extra: object) -> TrainerDaemon:
+        s = TrainerSettings.load(None, {"algorithm.name": algo, "group.size": 4, "group.per_step": 2,
+                                        "run.model": str(model_dir), "run.checkpoints": str(tmp_path / algo),
+                                        "run.trainer_id": algo, "engine.precision": "fp32", "optim.lr": 1e-3, **extra})
+        return TrainerDaemon(store, TorchEngine(model_dir, s.engine_config()), s.trainer_config())
+
+    run_rollouts(llm_server, store, {"a": [1, 0, 0.5, 0], "c": [1, 1, 1, 1]})
+    with daemon_for("ppo", **{"critic.lr": 1e-3}) as ppo:
+        [result] = ppo.run(max_steps=1)
+    m = result.metrics
+    assert m["n_groups"] == 2 and m["n_rollouts"] == 8 and "skipped_uniform_reward" not in m
+    assert m["vf_loss"] > 0 and m["critic_grad_norm"] > 0
+    assert (Path(store.get_policy_version(1, "ppo").path) / "critic" / "model.safetensors").is_file()
+
+    run_rollouts(llm_server, store, {"d": [1, 0.5, 0, 0.2], "e": [0, 1, 1, 0], "f": [1, 1, 1, 1]})
+    with daemon_for("dpo", **{"dpo.beta": 0.2}) as dpo:
+        [result] = dpo.run(max_steps=1)
+    m = result.metrics
+    assert m["skipped_uniform_reward"] == 4  # group f: no pair
+    assert m["pairs"] == 2 and m["n_rows"] == 4 and m["n_rollouts"] == 8  # the middle rollouts are consumed, untrained
+    assert m["dpo_loss"] == pytest.approx(0.6931, abs=1e-3)  # the first step: policy == reference

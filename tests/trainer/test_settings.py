@@ -96,3 +96,23 @@ def test_store_and_model_are_required(capsys: pytest.CaptureFixture[str]) -> Non
     assert "run.model: no model folder at /nonexistent" in err and len(err.strip().splitlines()) == 1
     with pytest.raises(SettingsError, match="cannot read"):
         TrainerSettings.load("/nonexistent/trainer.toml")
+
+
+def test_ppo_dpo_and_the_kl_in_the_reward() -> None:
+    s = settings_from(_parse("--algo", "ppo", "--critic-lr", "3e-6", "--gamma", "0.99", "--lam", "0.95",
+                             "--critic-warmup-steps", "5", "--kl-coef", "0.05", "--kl-in", "reward"))
+    eng, cfg = s.engine_config(), s.trainer_config()
+    assert eng.critic is not None and (eng.critic.lr, eng.critic.gamma, eng.critic.lam, eng.critic.warmup_steps) == (
+        3e-6, 0.99, 0.95, 5)
+    assert (eng.loss.kl_coef, eng.loss.kl_in_reward_coef) == (0.0, 0.05) and eng.dpo is None
+    assert cfg.algorithm == "ppo" and not cfg.group.skip_uniform  # PPO learns from uniform groups
+    d = settings_from(_parse("--algo", "dpo", "--dpo-beta", "0.3", "--kl-coef", "0.05"))
+    eng = d.engine_config()
+    assert eng.dpo is not None and eng.dpo.beta == 0.3 and eng.critic is None and eng.loss.kl_coef == 0.05
+    assert d.trainer_config().group.skip_uniform
+    g = settings_from(_parse("--algo", "reinforce_pp", "--kl-coef", "0.1", "--kl-in", "reward")).engine_config()
+    assert g.loss.advantage == "reinforce_pp" and g.loss.kl_in_reward_coef == 0.1  # re-estimated in the engine
+    with pytest.raises(SettingsError, match="need engine 'torch'"):
+        settings_from(_parse("--algo", "ppo", "--engine", "verl"))
+    with pytest.raises(SettingsError, match="algorithm.name"):
+        settings_from(_parse("--algo", "a2c"))

@@ -304,6 +304,11 @@ class LossConfig:
     # update and each token's loss is weighted by min(pi_current / pi_behaviour, tis_threshold).
     # None: off (the ratio is against vLLM's behaviour log-probs, clipped and dual-clipped).
     tis_threshold: float | None = None
+    # KL to the reference in the reward instead of the loss (verl's use_kl_in_reward): each response
+    # token's reward loses kl_in_reward_coef * KL(old || ref) (engines/model_advantages.py). With an
+    # outcome algorithm the engine then estimates advantages again, by `advantage` (advantages.py).
+    kl_in_reward_coef: float = 0.0
+    advantage: str = "grpo"
 
 
 def policy_loss(

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lightning_middleware.errors import UsageError
+from trainer_backend.algorithms.registry import OUTCOME, trains_uniform_groups
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -58,7 +59,7 @@ class GroupSettings(_Section):
 
 
 class AlgorithmSettings(_Section):
-    name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo"] = "grpo"
+    name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "ppo", "dpo"] = "grpo"
     # "rollout": one advantage per rollout, every row of it shares it (the default); "sample":
     # each row is its own sample in its group (verl's view: a rollout split in k rows counts k times)
     advantage_level: Literal["rollout", "sample"] = "rollout"
@@ -88,6 +89,8 @@ class LossSettings(_Section):
     dual_clip: float | None = Field(3.0, gt=1)  # 0 (or None): off
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    # where the KL to the frozen base model goes: a loss term, or a per-token penalty in the reward
+    kl_in: Literal["loss", "reward"] = "loss"
     entropy_coef: float = Field(0.0, ge=0)
     # truncated importance sampling for stale rollouts: min(pi/pi_behaviour, tis_threshold) per token
     tis_threshold: float | None = Field(None, gt=1)
@@ -96,6 +99,20 @@ class LossSettings(_Section):
     @classmethod
     def _off(cls, v: Any) -> Any:
         return None if v == 0 else v
+
+
+class CriticSettings(_Section):  # algorithm.name = "ppo"
+    lr: float = Field(1e-5, gt=0)
+    gamma: float = Field(1.0, gt=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    cliprange_value: float = Field(0.5, gt=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)  # steps in which only the critic learns
+
+
+class DPOSettings(_Section):  # algorithm.name = "dpo"
+    beta: float = Field(0.1, gt=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
 
 
 class EngineSettings(_Section):
@@ -134,6 +151,8 @@ class TrainerSettings(_Section):
     algorithm: AlgorithmSettings = AlgorithmSettings()
     optim: OptimSettings = OptimSettings()
     loss: LossSettings = LossSettings()
+    critic: CriticSettings = CriticSettings()
+    dpo: DPOSettings = DPOSettings()
     engine: EngineSettings = EngineSettings()
     eval: EvalSettings = EvalSettings()
     monitor: MonitorSettings = MonitorSettings()
@@ -144,6 +163,9 @@ class TrainerSettings(_Section):
             raise ValueError("eval.every needs eval.agent and eval.tasks")
         if self.group.min_size > self.group.size:
             raise ValueError(f"group.min_size ({self.group.min_size}) is larger than group.size ({self.group.size})")
+        if self.run.engine == "verl" and (self.algorithm.name in ("ppo", "dpo") or self.loss.kl_in == "reward"):
+            raise ValueError(f"the verl engine runs the policy-gradient algorithms with the KL in the loss; "
+                             f"algorithm {self.algorithm.name!r} / loss.kl_in {self.loss.kl_in!r} need engine 'torch'")
         if self.optim.lr_schedule != "constant" and self.optim.total_steps is None and self.run.max_steps is None:
             raise ValueError(f"optim.lr_schedule {self.optim.lr_schedule!r} needs optim.total_steps or run.max_steps")
         return self
@@ -194,16 +216,24 @@ class TrainerSettings(_Section):
         agg = self.algorithm.loss_agg
         if self.algorithm.name == "gspo" and "loss_agg" not in self.algorithm.model_fields_set:
             agg = "seq-mean-token-mean"  # GSPO's sequence-level objective
+        in_reward = self.loss.kl_in == "reward"
         return LossConfig(agg=agg, clip_low=self.loss.clip_low, clip_high=self.loss.clip_high,
-                          dual_clip_c=self.loss.dual_clip, kl_coef=self.loss.kl_coef, kl_kind=self.loss.kl_estimator,
+                          dual_clip_c=self.loss.dual_clip, kl_coef=0.0 if in_reward else self.loss.kl_coef,
+                          kl_in_reward_coef=self.loss.kl_coef if in_reward else 0.0, kl_kind=self.loss.kl_estimator,
                           entropy_coef=self.loss.entropy_coef, tis_threshold=self.loss.tis_threshold,
-                          ratio_level="sequence" if self.algorithm.name == "gspo" else "token")
+                          ratio_level="sequence" if self.algorithm.name == "gspo" else "token",
+                          advantage=self.algorithm.name if self.algorithm.name in OUTCOME else "grpo")
 
     def engine_config(self) -> Any:
+        from trainer_backend.algorithms.dpo import DPOConfig
+        from trainer_backend.algorithms.ppo import CriticConfig
         from trainer_backend.engines.torch_engine import TorchEngineConfig
 
-        o, e = self.optim, self.engine
-        return TorchEngineConfig(
+        o, e, c, name = self.optim, self.engine, self.critic, self.algorithm.name
+        critic = (CriticConfig(lr=c.lr, gamma=c.gamma, lam=c.lam, cliprange_value=c.cliprange_value,
+                               grad_clip=c.max_grad_norm, warmup_steps=c.warmup_steps) if name == "ppo" else None)
+        dpo = DPOConfig(beta=self.dpo.beta, label_smoothing=self.dpo.label_smoothing) if name == "dpo" else None
+        return TorchEngineConfig(critic=critic, dpo=dpo,
             lr=o.lr, adam_eps=o.adam_eps, weight_decay=o.weight_decay, grad_clip=o.max_grad_norm,
             loss=self.loss_config(), micro_batch_tokens=e.micro_batch_tokens, freeze_embeddings=e.freeze_embeddings,
             precision=e.precision, gradient_checkpointing=e.gradient_checkpointing, compile=e.compile,
@@ -226,7 +256,7 @@ class TrainerSettings(_Section):
             stale=r.stale, max_len=r.max_len, keep_checkpoints=r.keep_checkpoints,
             success_threshold=r.success_threshold, algorithm=a.name, advantage_level=a.advantage_level,
             group=GroupPolicy(group_size=g.size, groups_per_step=g.per_step, min_group_size=g.min_size,
-                              group_timeout_s=g.timeout_s),
+                              group_timeout_s=g.timeout_s, skip_uniform=not trains_uniform_groups(a.name)),
             health=HealthConfig(enabled=m.health_checks, entropy_floor=m.entropy_floor, kl_limit=m.kl_limit,
                                 grad_spike=m.grad_spike),
             eval=policy)

@@ -43,6 +43,7 @@ from lightning_middleware import PolicyVersion, Rollout, TraceStore, TrainStep
 from lightning_middleware.records import Event
 from lightning_middleware.rows import RowStats, build_rows_for_rollouts, with_advantages
 from lightning_middleware.store import LeaseLost, StoreError, get_store
+from trainer_backend.algorithms import registry
 from trainer_backend.daemon.monitoring import HealthChecks, HealthConfig
 from trainer_backend.daemon.validation import EvalPolicy, PeriodicEvaluation, protected_checkpoints
 from trainer_backend.engines.base import Engine, Publisher
@@ -69,7 +70,7 @@ class TrainerConfig:
     stale: str = "drop"  # drop | keep
     max_len: int | None = None
     norm_by_std: bool = True  # GRPO std-normalised advantage (False: mean-only, the same as dr_grpo)
-    algorithm: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gspo (algorithms/advantages.py)
+    algorithm: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gspo | ppo | dpo (algorithms/registry.py)
     advantage_level: str = "rollout"  # rollout | sample (each row its own sample: the ablation)
     poll_interval_s: float = 0.5
     keep_checkpoints: int = 3
@@ -84,12 +85,9 @@ class TrainerConfig:
             raise ValueError(f"mode must be 'async' or 'sync', got {self.mode!r}")
         if self.stale not in ("drop", "keep"):
             raise ValueError(f"stale must be 'drop' or 'keep', got {self.stale!r}")
-        from trainer_backend.algorithms.advantages import ALGORITHMS, LEVELS
-
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
-        if self.advantage_level not in LEVELS:
-            raise ValueError(f"advantage_level must be one of {LEVELS}, got {self.advantage_level!r}")
+        registry.check(self.algorithm)
+        if self.advantage_level not in ("rollout", "sample"):
+            raise ValueError(f"advantage_level must be 'rollout' or 'sample', got {self.advantage_level!r}")
 
 
 @dataclass(frozen=True)
@@ -302,13 +300,11 @@ class TrainerDaemon:
         rollouts = batch.rollouts
         calls = self.store.calls_for([r.id for r in rollouts], training_only=True)
         rows, row_stats = build_rows_for_rollouts(((r, calls[r.id]) for r in rollouts), max_len=self.config.max_len)
-        from trainer_backend.algorithms.advantages import advantages_for  # torch: only where training happens
-
         algorithm = self.config.algorithm
         if algorithm == "grpo" and not self.config.norm_by_std:
             algorithm = "dr_grpo"
-        row_adv = advantages_for(algorithm, rollouts, rows, level=self.config.advantage_level)
-        rows = with_advantages(rows, row_adv)
+        rows, row_adv = registry.label_rows(algorithm, rollouts, rows, level=self.config.advantage_level)
+        rows = with_advantages(rows, row_adv, rewards={r.id: float(r.final_reward or 0.0) for r in rollouts})
         adv = {row.rollout_id: row.advantage for row in rows}  # for the metrics (rollout level: one per rollout)
         t_build = time.perf_counter() - t0
         if not rows:  # nothing trainable (no token IDs?): no update, no new version; consumed as skipped

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trainer_backend.algorithms.registry import ALGORITHMS
 from trainer_backend.demo.report import plot_curve
 from trainer_backend.demo.run import DemoConfig, run_demo
 
@@ -30,7 +31,7 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--groups-in-flight", type=int, default=d.groups_in_flight)
     p.add_argument("--max-staleness", type=int, default=d.max_staleness)
     p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--algo", choices=("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo"), default=d.algo,
+    p.add_argument("--algo", choices=ALGORITHMS, default=d.algo,
                    help="the RL algorithm (docs/trainer.md, choosing and tuning)")
     p.add_argument("--dual-clip", type=float, default=d.dual_clip,
                    help="PPO dual clip c (> 1) for negative advantages; 0 turns it off")

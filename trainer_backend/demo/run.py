@@ -69,7 +69,7 @@ class DemoConfig:
     lr_end: float | None = 1e-4  # linear decay from lr to lr_end over the RL budget; None: constant
     lr_warmup_steps: int = 10  # Adam's first steps move every weight by ~lr: start small
     clip: float = 0.2
-    algo: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gspo (trainer_backend/algorithms/advantages.py)
+    algo: str = "grpo"  # one of trainer_backend/algorithms/registry.py's ALGORITHMS
     dual_clip: float | None = 3.0  # c > 1: bound -A*ratio at -A*c for A < 0 (stale rollouts' large ratios)
     sft_steps: int | None = None  # None: WarmStartConfig's default
     warm_start_precision: str = "auto"  # bf16 autocast where native and faster, else fp32
@@ -181,13 +181,14 @@ class DemoRun:
         # compare against vLLM's fp32 log-probs.
         engine = TorchEngine(self.model_dir, TorchEngineConfig(
             lr=lr_at(cfg, 1, 0.0), freeze_embeddings=True, precision="fp32",
-            loss=_loss_of(cfg.algo, LossConfig(clip_low=cfg.clip, clip_high=cfg.clip, dual_clip_c=cfg.dual_clip))))
+            loss=_loss_of(cfg.algo, LossConfig(clip_low=cfg.clip, clip_high=cfg.clip, dual_clip_c=cfg.dual_clip)),
+            **_extras_of(cfg)))
         daemon = self.daemon = TrainerDaemon(
             store, engine,
             TrainerConfig(checkpoint_dir=str(self.out / "checkpoints"), mode=cfg.mode, max_staleness=cfg.max_staleness,
                           algorithm=cfg.algo,
                           group=GroupPolicy(group_size=cfg.group_size, groups_per_step=cfg.groups_per_step,
-                                            group_timeout_s=600)),
+                                            group_timeout_s=600, skip_uniform=cfg.algo != "ppo")),
             WeightPublisher(self.server.url))
         budget = f" or {cfg.max_steps} steps" if cfg.max_steps else ""
         say(f"[4/5] RL for {cfg.minutes:g} min{budget} ({cfg.mode}, {cfg.algo})"
@@ -364,6 +365,19 @@ class _TrainingLoop:
 def _loss_of(algo: str, loss: LossConfig) -> LossConfig:
     """GSPO's sequence-level ratio and aggregation; the other algorithms differ in their advantages."""
     return replace(loss, ratio_level="sequence", agg="seq-mean-token-mean") if algo == "gspo" else loss
+
+
+def _extras_of(cfg: DemoConfig) -> dict[str, Any]:
+    """PPO's critic (the policy's lr, constant: the small model's value head learns at its pace)
+    and DPO's beta; nothing for the outcome algorithms."""
+    from trainer_backend.algorithms.dpo import DPOConfig
+    from trainer_backend.algorithms.ppo import CriticConfig
+
+    if cfg.algo == "ppo":
+        return {"critic": CriticConfig(lr=cfg.lr)}
+    if cfg.algo == "dpo":
+        return {"dpo": DPOConfig(beta=0.1)}
+    return {}
 
 
 def lr_at(cfg: DemoConfig, step: int, spent: float) -> float:

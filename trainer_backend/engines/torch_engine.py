@@ -20,7 +20,7 @@ import shutil
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_middleware.rows import Row
-from trainer_backend.algorithms.grpo import LossConfig, loss_weights, policy_loss, token_logprobs_entropy
+from trainer_backend.algorithms.dpo import pairs_from_rows, rollout_coefficients
+from trainer_backend.algorithms.grpo import loss_weights, policy_loss, token_logprobs_entropy
 from trainer_backend.algorithms.sampling import sampled_logits
+from trainer_backend.engines import model_advantages
 from trainer_backend.engines.batching import MicroBatch, make_micro_batch, split_micro_batches
+from trainer_backend.engines.critic import Critic
 from trainer_backend.engines.precision import resolve_precision
+from trainer_backend.engines.torch_config import LR_SCHEDULES, PRECISIONS, STATE_FILE, TorchEngineConfig, lr_factor
 
 log = logging.getLogger(__name__)
 
@@ -40,60 +44,6 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
 )
-
-
-@dataclass(frozen=True)
-class TorchEngineConfig:
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip: float | None = 1.0
-    loss: LossConfig = LossConfig()
-    micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) per micro-batch
-    old_logprobs: str = "behaviour"  # "behaviour" (vLLM's) | "recompute" (current weights, before the update)
-    freeze_embeddings: bool = False  # with tied embeddings this also freezes the LM head
-    # "fp32"; "bf16-autocast": fp32 weights, matmuls in bf16 under torch.autocast (a cast per weight
-    # per micro-batch); "bf16": weights, activations and gradients in bf16, with fp32 master weights
-    # and AdamW state that the optimizer updates and copies back (no per-op casts; the fastest on
-    # CPUs with AVX512-BF16, see docs/benchmarks.md); "auto": "bf16" where the device computes bf16
-    # natively and faster than fp32 (trainer_backend.engines.precision's probe), else "fp32".
-    precision: str = "auto"
-    gradient_checkpointing: bool = False
-    # torch.compile each decoder layer (inductor fuses norms, rotary, SiLU and residual adds): ~8-10%
-    # faster steps on CPU once compiled. The first steps pay the compilation (15-60 s on 2 cores;
-    # a new batch shape recompiles once more, then torch marks the dimensions dynamic).
-    compile: bool = False
-    reference_model: bool = False  # keep a frozen copy of the start weights for KL; implied by loss.kl_coef > 0
-    # The frozen reference's weights (KL): None means the model the engine starts from. A resumed
-    # run starts from its last checkpoint, so the daemon passes the base model here.
-    reference_dir: str | None = None
-    # Learning-rate schedule over optimizer steps: a linear warm-up over `warmup_steps`, then
-    # "constant", or a "linear" / "cosine" decay to lr * min_lr_ratio at `total_steps`.
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    total_steps: int | None = None
-    min_lr_ratio: float = 0.0
-
-
-PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16")
-LR_SCHEDULES = ("constant", "linear", "cosine")
-# Optimizer and schedule state saved beside the weights, so a resumed run continues exactly.
-STATE_FILE = "trainer_state.pt"
-
-
-def lr_factor(config: TorchEngineConfig, step: int) -> float:
-    """The multiplier of the peak lr at optimizer step `step` (0-based)."""
-    if config.warmup_steps and step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    if config.lr_schedule == "constant" or not config.total_steps:
-        return 1.0
-    span = max(1, config.total_steps - config.warmup_steps)
-    done = min(1.0, max(0.0, (step - config.warmup_steps) / span))
-    floor = config.min_lr_ratio
-    if config.lr_schedule == "linear":
-        return floor + (1.0 - floor) * (1.0 - done)
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * done))
 
 
 # ---------------------------------------------------------------- the engine
@@ -131,7 +81,7 @@ class TorchEngine:
         if config.freeze_embeddings:
             self.model.get_input_embeddings().weight.requires_grad_(False)
         self.ref_model = None
-        if config.reference_model or config.loss.kl_coef > 0:
+        if config.reference_model or config.loss.kl_coef > 0 or config.loss.kl_in_reward_coef > 0 or config.dpo:
             loaded: Any = None if config.reference_dir is None else AutoModelForCausalLM.from_pretrained(
                 config.reference_dir, dtype=dtype)
             ref = copy.deepcopy(self.model) if loaded is None else loaded.to(self.device)
@@ -146,6 +96,9 @@ class TorchEngine:
                 self.ref_model.to(torch.bfloat16)
         if config.compile:  # after the reference copy, which stays eager
             self._compile_layers()
+        self.critic = None if config.critic is None else Critic(
+            self.source_dir, config.critic, device=self.device,
+            autocast_bf16=config.precision in ("bf16", "bf16-autocast"))
         # fused: one kernel for all parameters instead of a loop of small ops per tensor
         self.optimizer = torch.optim.AdamW(self.master, lr=config.lr, betas=config.betas, eps=config.adam_eps,
                                            weight_decay=config.weight_decay,
@@ -240,6 +193,24 @@ class TorchEngine:
         keep = use_behaviour.to(self.device).unsqueeze(-1)
         return torch.where(keep, mb.behaviour_logp.to(self.device), recomputed)
 
+    def _model_advantages(self, rows: Sequence[Row], batches: list[MicroBatch],
+                          old: Sequence[torch.Tensor | None]) -> model_advantages.ModelAdvantages:
+        """PPO's GAE and a KL penalty in the reward: advantages from a no-grad pass of the models."""
+        def ref(mb: MicroBatch) -> torch.Tensor:
+            assert self.ref_model is not None
+            with torch.no_grad():
+                return self._forward(self.ref_model, mb, with_entropy=False)[0]
+
+        def current(mb: MicroBatch) -> torch.Tensor:  # TIS: the old policy is the current one
+            with torch.no_grad():
+                return self._forward(self.model, mb, with_entropy=False)[0]
+
+        olds = [o if o is not None else current(mb) for mb, o in zip(batches, old)]
+        return model_advantages.compute(
+            rows, batches, olds, self.config.loss, critic=self.config.critic,
+            values=self.critic.values if self.critic is not None else None,
+            ref_logprobs=ref if self.ref_model is not None else None)
+
     # -- the update
 
     def step(self, rows: Sequence[Row]) -> dict[str, float]:
@@ -248,6 +219,8 @@ class TorchEngine:
             raise ValueError("step() needs at least one row")
         if self.config.old_logprobs not in ("behaviour", "recompute"):
             raise ValueError(f"old_logprobs must be 'behaviour' or 'recompute', not {self.config.old_logprobs!r}")
+        if self.config.dpo is not None:
+            return self._dpo_step(rows)
         t0 = time.perf_counter()
         cfg = self.config.loss
         weights = loss_weights([torch.tensor(r.loss_mask) for r in rows], [r.rollout_id for r in rows], cfg.agg)
@@ -258,6 +231,10 @@ class TorchEngine:
         # runs before the update, so its detached log-probs are it (no extra forward).
         tis = cfg.tis_threshold is not None
         old = [None if tis else self._old_logprobs(mb) for mb in batches]
+        adv_pass = None
+        if model_advantages.needs_model(cfg, self.config.critic):
+            adv_pass = self._model_advantages(rows, batches, old)
+            batches = adv_pass.batches
 
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
@@ -279,23 +256,18 @@ class TorchEngine:
             for k, v in mb_sums.items():
                 sums[k] = max(sums.get(k, -math.inf), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)
 
-        if self.master is not self.params:  # bf16: the fp32 masters take the gradients and the update
-            for m, p in zip(self.master, self.params):
-                m.grad = p.grad.float() if p.grad is not None else None
-                p.grad = None
-        clip = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master, clip))
         lr_used = self.lr
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.master is not self.params:
-            with torch.no_grad():
-                for m, p in zip(self.master, self.params):
-                    p.copy_(m)
+        critic_metrics: dict[str, float] = {}
+        if self.critic is not None and adv_pass is not None:
+            assert adv_pass.old_values is not None and adv_pass.returns is not None
+            critic_metrics = self.critic.update(batches, adv_pass.old_values, adv_pass.returns)
+        grad_norm = self._optimizer_step(update=self.critic is None or self.critic.policy_may_update())
         self.policy_version += 1
         metrics = self._metrics(rows, batches, sums, grad_norm, time.perf_counter() - t0)
         metrics["lr"] = lr_used
+        metrics.update(critic_metrics)
+        if adv_pass is not None:
+            metrics.update(adv_pass.metrics)
         if tis:
             n_resp = max(sums["response_tokens"], 1.0)
             metrics["tis_weight_mean"] = sums["tis_weight_sum"] / n_resp
@@ -303,6 +275,56 @@ class TorchEngine:
         if sums.get("gap_tokens"):  # |vLLM's log-prob - ours| before the update: 0 up to rounding if they agree
             metrics["behaviour_logprob_gap"] = sums["gap_abs_sum"] / sums["gap_tokens"]
         return metrics
+
+    def _optimizer_step(self, update: bool = True) -> float:
+        """Clip the accumulated gradients and step AdamW and the lr schedule (not during a critic
+        warm-up: `update=False`); returns the gradient norm before clipping."""
+        if self.master is not self.params:  # bf16: the fp32 masters take the gradients and the update
+            for m, p in zip(self.master, self.params):
+                m.grad = p.grad.float() if p.grad is not None else None
+                p.grad = None
+        clip = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master, clip))
+        if update:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not self.params:
+            with torch.no_grad():
+                for m, p in zip(self.master, self.params):
+                    p.copy_(m)
+        return grad_norm
+
+    def _dpo_step(self, rows: Sequence[Row]) -> dict[str, float]:
+        """One DPO update, exact across micro-batches (the two passes of algorithms/dpo.py)."""
+        assert self.config.dpo is not None and self.ref_model is not None
+        t0 = time.perf_counter()
+        pairs = pairs_from_rows([r.task_id for r in rows], [r.rollout_id for r in rows], [r.advantage for r in rows])
+        weights = [torch.tensor(r.loss_mask, dtype=torch.float32) for r in rows]  # a plain sum over response tokens
+        batches = [make_micro_batch(rows, idx, weights, self.pad_id)
+                   for idx in split_micro_batches([len(r) for r in rows], self.config.micro_batch_tokens)]
+        logp: dict[str, float] = dict.fromkeys((r.rollout_id for r in rows), 0.0)
+        ref_logp = dict(logp)
+        with torch.no_grad():
+            for mb in batches:
+                for model, sums in ((self.model, logp), (self.ref_model, ref_logp)):
+                    per_row = (self._forward(model, mb, with_entropy=False)[0] * mb.weights.to(self.device)).sum(-1)
+                    for i, v in zip(mb.index, per_row.tolist()):
+                        sums[rows[i].rollout_id] += v
+        coef, metrics = rollout_coefficients(pairs, logp, ref_logp, self.config.dpo)
+        self.optimizer.zero_grad(set_to_none=True)
+        for mb in batches:
+            c = torch.tensor([coef[rows[i].rollout_id] for i in mb.index], dtype=torch.float32, device=self.device)
+            logp_t, _ = self._forward(self.model, mb, with_entropy=False)
+            (c.unsqueeze(-1) * logp_t * mb.weights.to(self.device)).sum().backward()
+        grad_norm = self._optimizer_step()
+        self.policy_version += 1
+        elapsed = time.perf_counter() - t0
+        tokens = sum(len(r) for r in rows)
+        return {**metrics, "loss": metrics["dpo_loss"], "grad_norm": grad_norm, "pairs": float(len(pairs)),
+                "rows": float(len(rows)), "micro_batches": float(len(batches)), "tokens": float(tokens),
+                "time_s": elapsed, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+                "policy_version": float(self.policy_version)}
 
     def _metrics(self, rows: Sequence[Row], batches: Sequence[MicroBatch], sums: dict[str, float],
                  grad_norm: float, elapsed: float) -> dict[str, float]:
@@ -364,6 +386,8 @@ class TorchEngine:
         # fp32) let a restarted trainer continue the same AdamW and lr schedule.
         torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                     "policy_version": self.policy_version}, out / STATE_FILE)
+        if self.critic is not None:
+            self.critic.save(out)
         for name in TOKENIZER_FILES:
             src = self.source_dir / name
             if src.is_file() and not (out / name).exists():

@@ -1,0 +1,70 @@
+"""The torch engine's configuration and its learning-rate schedule (no model code here)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainer_backend.algorithms.dpo import DPOConfig
+from trainer_backend.algorithms.grpo import LossConfig
+from trainer_backend.algorithms.ppo import CriticConfig
+
+
+@dataclass(frozen=True)
+class TorchEngineConfig:
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    loss: LossConfig = LossConfig()
+    micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) per micro-batch
+    old_logprobs: str = "behaviour"  # "behaviour" (vLLM's) | "recompute" (current weights, before the update)
+    freeze_embeddings: bool = False  # with tied embeddings this also freezes the LM head
+    # "fp32"; "bf16-autocast": fp32 weights, matmuls in bf16 under torch.autocast (a cast per weight
+    # per micro-batch); "bf16": weights, activations and gradients in bf16, with fp32 master weights
+    # and AdamW state that the optimizer updates and copies back (no per-op casts; the fastest on
+    # CPUs with AVX512-BF16, see docs/benchmarks.md); "auto": "bf16" where the device computes bf16
+    # natively and faster than fp32 (trainer_backend.engines.precision's probe), else "fp32".
+    precision: str = "auto"
+    gradient_checkpointing: bool = False
+    # torch.compile each decoder layer (inductor fuses norms, rotary, SiLU and residual adds): ~8-10%
+    # faster steps on CPU once compiled. The first steps pay the compilation (15-60 s on 2 cores;
+    # a new batch shape recompiles once more, then torch marks the dimensions dynamic).
+    compile: bool = False
+    reference_model: bool = False  # keep a frozen copy of the start weights for KL; implied by loss.kl_coef > 0
+    # The frozen reference's weights (KL): None means the model the engine starts from. A resumed
+    # run starts from its last checkpoint, so the daemon passes the base model here.
+    reference_dir: str | None = None
+    # Learning-rate schedule over optimizer steps: a linear warm-up over `warmup_steps`, then
+    # "constant", or a "linear" / "cosine" decay to lr * min_lr_ratio at `total_steps`.
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+    # PPO: a critic (the base model with a value head) and GAE advantages (algorithms/ppo.py);
+    # the rows' `reward` is then used and their `advantage` ignored.
+    critic: CriticConfig | None = None
+    # DPO instead of a policy gradient (algorithms/dpo.py): rows labelled +1/-1 as their advantage,
+    # paired by task id, against the frozen reference (reference_dir, else the start weights).
+    dpo: DPOConfig | None = None
+
+
+PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+# Optimizer and schedule state saved beside the weights, so a resumed run continues exactly.
+STATE_FILE = "trainer_state.pt"
+
+
+def lr_factor(config: TorchEngineConfig, step: int) -> float:
+    """The multiplier of the peak lr at optimizer step `step` (0-based)."""
+    if config.warmup_steps and step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.lr_schedule == "constant" or not config.total_steps:
+        return 1.0
+    span = max(1, config.total_steps - config.warmup_steps)
+    done = min(1.0, max(0.0, (step - config.warmup_steps) / span))
+    floor = config.min_lr_ratio
+    if config.lr_schedule == "linear":
+        return floor + (1.0 - floor) * (1.0 - done)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * done))

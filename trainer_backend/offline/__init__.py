@@ -1,0 +1,1 @@
+"""Training from stored datasets instead of live rollouts (offline DPO)."""
