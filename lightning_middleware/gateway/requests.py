@@ -66,6 +66,11 @@ def parse_object(raw: bytes) -> dict[str, Any]:
 PROXY_SUFFIXES = (("/v1/chat/completions", "chat/completions"), ("/v1/completions", "completions"))
 
 
+def proxy_paths() -> list[str]:
+    """Every path template the raw proxy handler serves (POST only), plain and per rollout."""
+    return [path for suffix, _ in PROXY_SUFFIXES for path in (suffix, "/rollouts/{rid}" + suffix)]
+
+
 def proxy_route(path: str) -> tuple[str, str | None] | None:
     """(upstream path, rollout id or None) for `/v1/...` and `/rollouts/{id}/v1/...` proxy routes."""
     for suffix, upstream_path in PROXY_SUFFIXES:

@@ -18,7 +18,7 @@ HTTP surface (see docs/gateway.md):
 - `POST /rollouts` (idempotent on a client-supplied `id`), `GET /rollouts/{id}`,
   `POST /rollouts/{id}/reward`, `POST /rollouts/{id}/finish`, `POST /rollouts/{id}/fail`.
 - `POST /admin/pause`, `POST /admin/resume`, `GET /admin/state` (weight swaps),
-  `GET /health` (no auth).
+  `GET /health` (no auth). Without a token: loopback clients only (`auth.check_client`).
 
 Training safety: an `Idempotency-Key` request header replays the stored response
 (one upstream call, one training call), and identical bodies resent within a
@@ -46,7 +46,7 @@ from lightning_middleware import fastjson
 from lightning_middleware.capture import ROLLOUT_HEADER, scrub_secrets
 from lightning_middleware.gateway.admission import PAUSE_MODES, PauseGate
 from lightning_middleware.gateway.app import GatewayApp
-from lightning_middleware.gateway.auth import TOKEN_ENV, check_bearer, is_loopback
+from lightning_middleware.gateway.auth import TOKEN_ENV, check_bearer, check_client, checked_token, is_loopback
 from lightning_middleware.gateway.errors import GatewayConfigError, HTTPError, error_reply, upstream_error
 from lightning_middleware.gateway.forwarding import Forwarder
 from lightning_middleware.gateway.registry import RolloutRegistry
@@ -97,6 +97,7 @@ class Gateway:
             raise GatewayConfigError("at least one --upstream URL is needed")
         if pause_mode not in PAUSE_MODES:
             raise GatewayConfigError(f"pause_mode must be 'wait' or 'reject', got {pause_mode!r}")
+        token = checked_token(token)
         if not is_loopback(host) and not token:
             raise GatewayConfigError(
                 f"refusing to listen on {host} without a bearer token: pass --token (or set {TOKEN_ENV}), "
@@ -263,14 +264,16 @@ class Gateway:
         pairs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
         try:
             headers = dict(pairs)
-            self.check_auth(headers.get("authorization", ""))
+            self.check_auth(headers.get("authorization", ""), scope.get("client"))
             reply = await self.proxy(pairs, headers, receive, path, rollout_id)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
             reply = error_reply(exc, "POST", scope["path"])
         await reply(scope, receive, send)
 
-    def check_auth(self, authorization: str) -> None:
+    def check_auth(self, authorization: str, client: Sequence[Any] | None = None) -> None:
+        """The token, when there is one; without one, the client must be on loopback."""
         check_bearer(self.token, authorization)
+        check_client(self.token, client)
 
     async def proxy(self, pairs: list[tuple[str, str]], headers: dict[str, str], receive: Receive, path: str,
                     rollout_id: str | None) -> Full | StreamResponse:

@@ -1,5 +1,6 @@
 """Test doubles that are real servers: a deterministic OpenAI-compatible LLM (a subprocess, or
-in-process as an httpx/httpx2 transport) and a throwaway PostgreSQL server."""
+in-process as an httpx/httpx2 transport) and a throwaway PostgreSQL server; `secret_scan`, the
+credential scan the test suite runs on every store it writes."""
 
 from lightning_middleware.testing.llm_script import render_chat, tokenize
 from lightning_middleware.testing.llm_server import LLMTestServer, free_port, process_cpu_seconds
