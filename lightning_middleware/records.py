@@ -74,11 +74,29 @@ class Rollout:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """One choice of a response (a request with `n` > 1 has several) with its own tokens.
+
+    `logprobs` are this choice's behaviour logprobs, one per completion token (None when the
+    server sent none), so a trainer that trains this choice pairs each token with its own logprob.
+    """
+
+    index: int
+    completion_token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
 class LLMCall:
     """One HTTP attempt of one LLM call, as the engine saw it.
 
     `is_training` is true only for a complete 2xx response carrying token IDs and
     not superseded by a later identical attempt: the trainer reads only those.
+
+    Choice 0 of the response is `completion_token_ids` / `logprobs` / `finish_reason`;
+    the other choices of a request with `n` > 1 are `extra_choices`, in index order.
+    `choices` is all of them, choice 0 first.
     """
 
     id: str
@@ -103,10 +121,24 @@ class LLMCall:
     started_at: float = 0.0
     policy_version: int | None = None
     request_hash: str | None = None
+    extra_choices: tuple[Choice, ...] = ()
 
     @property
     def has_token_ids(self) -> bool:
         return bool(self.prompt_token_ids) and bool(self.completion_token_ids)
+
+    @property
+    def choices(self) -> tuple[Choice, ...]:
+        """Every choice with its token IDs: choice 0 (the columns above), then `extra_choices`."""
+        first = Choice(0, self.completion_token_ids, self.logprobs, self.finish_reason)
+        return (first, *self.extra_choices)
+
+    def choice(self, index: int) -> Choice:
+        """The choice with this `index` (0: the columns above); KeyError if the call has none such."""
+        for c in self.choices:
+            if c.index == index:
+                return c
+        raise KeyError(f"call {self.id} has no choice {index}")
 
 
 @dataclass(frozen=True)

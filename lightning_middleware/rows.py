@@ -21,6 +21,12 @@ A row is one token sequence the model is trained on. The rule (docs/trainer.md):
 6. Each completion token keeps the sampling parameters of its call (temperature, top_p, top_k
    from the request as stored; absent: the API defaults 1, 1, off), so the trainer computes
    log-probs of the distribution that was sampled (`sampling_of`; docs/trainer.md).
+7. A call with several choices (`n` > 1) contributes one of them, the one the agent continued
+   (`continued_choice`): the choice k for which the next call of the same thread has a prompt
+   starting with this call's prompt + choice k's token IDs. Several such: the longest, then the
+   lowest index. None (the thread's last call, or a next call that extends no choice): choice 0.
+   The completion's token IDs, logprobs and the choice's index in `Row.choices` are that
+   choice's own, so every behaviour logprob belongs to the token it is trained with.
 
 Advantages are not computed here: `Row.advantage` is 0.0 until `with_advantages`.
 """
@@ -33,7 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_middleware.records import LLMCall, Rollout
+from lightning_middleware.records import Choice, LLMCall, Rollout
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,7 @@ class Row:
     behaviour_logprobs: tuple[float, ...] | None
     policy_version: int | None = None  # oldest policy version among the merged calls
     call_ids: tuple[str, ...] = ()
+    choices: tuple[int, ...] = ()  # per call in call_ids, the index of the choice trained (0 unless n > 1)
     truncated: bool = False
     advantage: float = 0.0
     # The rollout's final reward, for algorithms whose advantages need the model (PPO's critic, a
@@ -86,6 +93,7 @@ class RowStats:
     skipped_no_token_ids: int = 0
     duplicate_attempts: int = 0
     calls_without_logprobs: int = 0
+    other_choices: int = 0  # calls with n > 1 whose continued choice (the one trained) was not choice 0
     merges: int = 0
     prefix_breaks: int = 0
     rows: int = 0
@@ -163,11 +171,44 @@ def sampling_of(call: LLMCall) -> tuple[float, float, int]:
     return (temperature if temperature > 0 else 1.0), min(1.0, max(top_p, 0.0)), max(top_k, 0)
 
 
-def _call_logprobs(call: LLMCall) -> tuple[float, ...] | None:
-    lp = call.logprobs
-    if lp is None or len(lp) != len(call.completion_token_ids):
+def _choice_logprobs(choice: Choice) -> tuple[float, ...] | None:
+    lp = choice.logprobs
+    if lp is None or len(lp) != len(choice.completion_token_ids):
         return None
     return tuple(float(x) for x in lp)
+
+
+def continued_choice(call: LLMCall, next_prompt: Sequence[int] | None) -> Choice:
+    """The choice of `call` the agent continued: the one `next_prompt` (the prompt of the next
+    call of the same thread) extends, i.e. starts with call's prompt + the choice's token IDs.
+
+    Several match (identical choices, or one a prefix of another): the longest, then the lowest
+    index. None matches, or no next call: choice 0. A call with one choice: that choice.
+    """
+    choices = call.choices
+    if len(choices) == 1 or next_prompt is None:
+        return choices[0]
+    prompt = tuple(call.prompt_token_ids)
+    start = len(prompt)
+    if tuple(next_prompt[:start]) != prompt:
+        return choices[0]
+    matching = [c for c in choices
+                if tuple(next_prompt[start:start + len(c.completion_token_ids)]) == tuple(c.completion_token_ids)]
+    if not matching:
+        return choices[0]
+    return max(matching, key=lambda c: (len(c.completion_token_ids), -c.index))
+
+
+def _next_prompts(calls: Sequence[LLMCall]) -> list[tuple[int, ...] | None]:
+    """Per call, the prompt of the next call of its thread (same agent_name); None for the last."""
+    out: list[tuple[int, ...] | None] = [None] * len(calls)
+    last: dict[str | None, int] = {}
+    for i, call in enumerate(calls):
+        prev = last.get(call.agent_name)
+        if prev is not None:
+            out[prev] = tuple(call.prompt_token_ids)
+        last[call.agent_name] = i
+    return out
 
 
 # ---------------------------------------------------------------- growing rows
@@ -183,20 +224,21 @@ class _OpenRow:
     logprobs: list[float] | None = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     call_ids: list[str] = field(default_factory=list)
+    choices: list[int] = field(default_factory=list)
     sampling: list[tuple[float, float, int]] = field(default_factory=list)  # per token
 
     def extends(self, prompt: Sequence[int]) -> bool:
         n = len(self.ids)
         return len(prompt) >= n and tuple(prompt[:n]) == tuple(self.ids)
 
-    def add(self, call: LLMCall) -> None:
-        """Append the call's new prompt tail (mask 0) and its completion (mask 1)."""
+    def add(self, call: LLMCall, choice: Choice) -> None:
+        """Append the call's new prompt tail (mask 0) and the choice's completion (mask 1)."""
         tail = call.prompt_token_ids[len(self.ids):]
-        completion = call.completion_token_ids
+        completion = choice.completion_token_ids
         self.ids += list(tail) + list(completion)
         self.mask += [0] * len(tail) + [1] * len(completion)
         self.sampling += [_DEFAULT_SAMPLING] * len(tail) + [sampling_of(call)] * len(completion)
-        lp = _call_logprobs(call)
+        lp = _choice_logprobs(choice)
         if self.logprobs is not None and lp is not None:
             self.logprobs += [0.0] * len(tail) + list(lp)
         else:
@@ -204,6 +246,7 @@ class _OpenRow:
         if call.policy_version is not None:
             self.versions.append(call.policy_version)
         self.call_ids.append(call.id)
+        self.choices.append(choice.index)
 
 
 def _finish(row: _OpenRow, rollout_id: str, task_id: str | None, max_len: int | None) -> tuple[Row | None, str, int]:
@@ -226,6 +269,7 @@ def _finish(row: _OpenRow, rollout_id: str, task_id: str | None, max_len: int | 
         behaviour_logprobs=tuple(lps) if lps is not None else None,
         policy_version=min(row.versions) if row.versions else None,
         call_ids=tuple(row.call_ids),
+        choices=tuple(row.choices),
         truncated=truncated,
         temperature=_per_token(sampling, 0, 1.0),
         top_p=_per_token(sampling, 1, 1.0),
@@ -257,9 +301,11 @@ def build_rows(
     used, counts = _select_calls(calls)
     open_rows: dict[str | None, _OpenRow] = {}
     started: list[_OpenRow] = []
-    merges = breaks = no_lp = 0
-    for call in used:
-        if _call_logprobs(call) is None:
+    merges = breaks = no_lp = other = 0
+    for call, next_prompt in zip(used, _next_prompts(used)):
+        choice = continued_choice(call, next_prompt)
+        other += choice.index != 0
+        if _choice_logprobs(choice) is None:
             no_lp += 1
         row = open_rows.get(call.agent_name)
         if row is not None and row.extends(call.prompt_token_ids):
@@ -271,7 +317,7 @@ def build_rows(
             row = _OpenRow(agent=call.agent_name)
             open_rows[call.agent_name] = row
             started.append(row)
-        row.add(call)
+        row.add(call, choice)
 
     rows: list[Row] = []
     outcome_counts = dict(truncated=0, dropped_too_long=0, dropped_empty=0)
@@ -290,6 +336,7 @@ def build_rows(
         calls_in=len(calls),
         calls_used=len(used),
         calls_without_logprobs=no_lp,
+        other_choices=other,
         merges=merges,
         prefix_breaks=breaks,
         rows=len(rows),

@@ -19,19 +19,27 @@ def trained_spans(calls: Sequence[LLMCall], *, rollout_id: str = "", max_len: in
     """For each call id: (trained completion tokens, completion tokens), as the trainer builds rows.
 
     A call the trainer skips (failed, partial, not training, superseded attempt) maps to (0, n);
-    truncation at `max_len` cuts the trained count of the calls at the end of a row.
+    truncation at `max_len` cuts the trained count of the calls at the end of a row. For a call
+    with several choices (`n` > 1) the counts are of the choice trained.
     """
+    return _trained(calls, rollout_id, max_len)[0]
+
+
+def _trained(calls: Sequence[LLMCall], rollout_id: str, max_len: int | None
+             ) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+    """(`trained_spans`, per trained call the index of the choice trained) from one row build."""
     rows, _ = build_rows(list(calls), rollout_id=rollout_id, max_len=max_len)
     by_id = {c.id: c for c in calls}
-    out = {c.id: (0, len(c.completion_token_ids)) for c in calls}
+    spans = {c.id: (0, len(c.completion_token_ids)) for c in calls}
+    chosen: dict[str, int] = {}
     for row in rows:
-        for cid in row.call_ids:
+        for cid, index in zip(row.call_ids, row.choices):
             c = by_id[cid]
+            n = len(c.choice(index).completion_token_ids)
             start = len(c.prompt_token_ids)  # the prompt is a prefix of the row, so the completion starts here
-            end = start + len(c.completion_token_ids)
-            trained = sum(row.loss_mask[start:min(end, len(row))]) if start < len(row) else 0
-            out[cid] = (trained, len(c.completion_token_ids))
-    return out
+            trained = sum(row.loss_mask[start:min(start + n, len(row))]) if start < len(row) else 0
+            spans[cid], chosen[cid] = (trained, n), index
+    return spans, chosen
 
 
 # --------------------------------------------------------------------------
@@ -122,12 +130,16 @@ def _message_text(m: dict[str, Any]) -> str:
     return text
 
 
-def reply_message(call: LLMCall) -> dict[str, Any] | None:
-    """The assistant message of a chat call's response (or a completion's text as one), if any."""
-    choices = (call.response or {}).get("choices") or []
-    if not choices:
+def reply_message(call: LLMCall, index: int = 0) -> dict[str, Any] | None:
+    """The assistant message of a chat call's response choice `index` (or a completion's text as
+    one), if any."""
+    choices = [ch for ch in (call.response or {}).get("choices") or [] if isinstance(ch, dict)]
+    if index == 0:  # choice 0 is the first, as the record's columns are (capture.assembly)
+        ch = choices[0] if choices else None
+    else:
+        ch = next((ch for ch in choices if ch.get("index") == index), None)
+    if ch is None:
         return None
-    ch = choices[0]
     if isinstance(ch.get("message"), dict):
         return ch["message"]
     if "text" in ch:
@@ -148,7 +160,7 @@ def transcript(store: TraceStore | str | None, rollout_id: str, *, max_len: int 
     if r is None:
         raise KeyError(f"no rollout {rollout_id!r} in {st.safe_url}")
     calls = st.calls(rollout_id)
-    spans = trained_spans(calls, rollout_id=rollout_id, max_len=max_len)
+    spans, chosen = _trained(calls, rollout_id, max_len)
     cut = (lambda s: s if len(s) <= max_chars else s[:max_chars] + f"... [{len(s) - max_chars} more chars]")
     t = Transcript(r)
     t.entries.append(TranscriptEntry("header", (
@@ -165,7 +177,8 @@ def transcript(store: TraceStore | str | None, rollout_id: str, *, max_len: int 
         head = (f"call {c.call_index} attempt {c.attempt}" + (f" agent={c.agent_name}" if c.agent_name else "")
                 + f" model={c.model} prompt={len(c.prompt_token_ids)} completion={len(c.completion_token_ids)} tokens"
                 + (f" latency={c.latency_s * 1000:.1f}ms" if c.latency_s is not None else "")
-                + f" training={c.is_training}" + (" partial" if c.partial else ""))
+                + f" training={c.is_training}" + (" partial" if c.partial else "")
+                + (f" choices={len(c.choices)} trained={chosen.get(c.id, 0)}" if c.extra_choices else ""))
         if not ok:
             failed = f"{head} FAILED status={c.status_code} {c.error or ''}".rstrip()
             t.entries.append(TranscriptEntry("attempt", failed,
@@ -189,7 +202,7 @@ def transcript(store: TraceStore | str | None, rollout_id: str, *, max_len: int 
         for m in new:
             t.entries.append(TranscriptEntry("message", cut(_message_text(m)), role=str(m.get("role")),
                                              call_index=c.call_index))
-        reply = reply_message(c)
+        reply = reply_message(c, chosen.get(c.id, 0))  # the reply the agent continued, as trained
         if reply is not None:
             t.entries.append(TranscriptEntry("reply", cut(_message_text(reply)), role="assistant",
                                              trained=spans.get(c.id), call_index=c.call_index))

@@ -3,8 +3,10 @@
 Works on bytes as they pass through the transport: a whole JSON body, or an SSE
 stream fed chunk by chunk. vLLM's extra fields are the point: top-level
 `prompt_token_ids` and per-choice `token_ids` (also per chunk when streaming),
-and logprobs. Only choice 0 is kept as token arrays; the full response JSON is
-kept minus the token arrays, which are stored compactly beside it.
+and logprobs. Choice 0's token IDs and logprobs become the record's columns; those of
+the other choices of a request with `n` > 1 become its `extra_choices` (each with its own
+token IDs, logprobs and finish reason). The response JSON is kept minus the token arrays,
+which are stored compactly beside it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_middleware import fastjson
+from lightning_middleware.records import Choice
 
 
 @dataclass
@@ -26,6 +29,7 @@ class Assembled:
     finish_reason: str | None = None
     complete: bool = False
     error: str | None = None
+    extra_choices: list[Choice] = field(default_factory=list)  # choices 1.. of the same prompt, by index
 
 
 # --------------------------------------------------------------------------
@@ -73,6 +77,44 @@ def _strip_token_fields(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _safe_logprobs(choice: dict[str, Any], endpoint: str) -> list[float] | None:
+    try:
+        return _logprobs_of(choice, endpoint)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _choice_record(choice: dict[str, Any], position: int, endpoint: str) -> Choice | None:
+    """A whole-body choice as a record; None if its token IDs are not integers (a broken server)."""
+    index = choice.get("index")
+    try:
+        ids = tuple(int(t) for t in choice.get("token_ids") or ())
+    except (TypeError, ValueError):
+        return None
+    lp = _safe_logprobs(choice, endpoint)
+    return Choice(index if isinstance(index, int) else position, ids, tuple(lp) if lp is not None else None,
+                  choice.get("finish_reason"))
+
+
+def _extra_choices(choices: list[Any], prompt_ids: list[int], endpoint: str) -> list[Choice]:
+    """Choices 1.. that answer the same prompt, in index order; none if the server sent no token IDs.
+
+    A batched completions request (a list of prompts) answers one choice per prompt: a choice
+    whose own `prompt_token_ids` differ from the call's is not an alternative and is not kept.
+    """
+    if not prompt_ids:
+        return []
+    out: dict[int, Choice] = {}
+    for position, choice in enumerate(choices[1:], 1):
+        own = choice.get("prompt_token_ids") if isinstance(choice, dict) else None
+        if not isinstance(choice, dict) or (own and list(own) != prompt_ids):
+            continue
+        record = _choice_record(choice, position, endpoint)
+        if record is not None and record.index > 0:  # an index repeated (a broken server): the first
+            out.setdefault(record.index, record)
+    return [out[i] for i in sorted(out)]
+
+
 def parse_body(raw: bytes, endpoint: str) -> Assembled:
     try:
         body = fastjson.loads(raw)
@@ -82,15 +124,14 @@ def parse_body(raw: bytes, endpoint: str) -> Assembled:
         return Assembled(error="response JSON is not an object")
     out = Assembled(response=_strip_token_fields(body), complete=True)
     choices = body.get("choices") or []
+    choices = choices if isinstance(choices, list) else []
     first = choices[0] if choices and isinstance(choices[0], dict) else {}
     prompt_ids = body.get("prompt_token_ids") or first.get("prompt_token_ids")
     out.prompt_token_ids = list(prompt_ids or [])
     out.completion_token_ids = list(first.get("token_ids") or [])
     out.finish_reason = first.get("finish_reason")
-    try:
-        out.logprobs = _logprobs_of(first, endpoint)
-    except (KeyError, TypeError, ValueError):
-        out.logprobs = None
+    out.logprobs = _safe_logprobs(first, endpoint)
+    out.extra_choices = _extra_choices(choices, out.prompt_token_ids, endpoint)
     return out
 
 
@@ -98,23 +139,92 @@ def parse_body(raw: bytes, endpoint: str) -> Assembled:
 # Server-sent event streams
 # --------------------------------------------------------------------------
 
+class _StreamChoice:
+    """One choice of a stream, rebuilt from the deltas that carry its `index`."""
+
+    def __init__(self, index: int, endpoint: str) -> None:
+        self.index, self.endpoint = index, endpoint
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.role = "assistant"
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.prompt_ids: list[int] = []  # completions sends them per choice
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.has_logprobs = False
+        self.finish: str | None = None
+
+    def feed(self, choice: dict[str, Any]) -> None:
+        if choice.get("prompt_token_ids"):
+            self.prompt_ids = list(choice["prompt_token_ids"])
+        self.token_ids.extend(choice.get("token_ids") or [])
+        lp = _safe_logprobs(choice, self.endpoint)  # a malformed chunk costs its logprobs, not the record
+        if lp is not None:
+            self.has_logprobs = True
+            self.logprobs.extend(lp)
+        if choice.get("finish_reason"):
+            self.finish = choice["finish_reason"]
+        if self.endpoint == "completions":
+            self.text.append(choice.get("text") or "")
+            return
+        delta = choice.get("delta") or {}
+        self.role = delta.get("role") or self.role
+        if delta.get("content"):
+            self.text.append(delta["content"])
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if reasoning:
+            self.reasoning.append(reasoning)
+        for tc in delta.get("tool_calls") or []:
+            self._tool_call_delta(tc)
+
+    def _tool_call_delta(self, tc: dict[str, Any]) -> None:
+        slot = self.tool_calls.setdefault(int(tc.get("index", 0)),
+                                          {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+        if tc.get("id"):
+            slot["id"] = tc["id"]
+        if tc.get("type"):
+            slot["type"] = tc["type"]
+        fn = tc.get("function") or {}
+        if fn.get("name"):
+            slot["function"]["name"] += fn["name"]
+        if fn.get("arguments"):
+            slot["function"]["arguments"] += fn["arguments"]
+
+    def as_json(self) -> dict[str, Any]:
+        """The choice as a whole (non-streamed) response would have it."""
+        text = "".join(self.text)
+        if self.endpoint == "completions":
+            return {"index": self.index, "text": text, "finish_reason": self.finish}
+        message: dict[str, Any] = {"role": self.role, "content": text or None}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        return {"index": self.index, "message": message, "finish_reason": self.finish}
+
+    def record(self) -> Choice | None:
+        """The choice as a record; None if its token IDs are not integers (a broken server)."""
+        try:
+            ids = tuple(int(t) for t in self.token_ids)
+        except (TypeError, ValueError):
+            return None
+        return Choice(self.index, ids, tuple(self.logprobs) if self.has_logprobs else None, self.finish)
+
+
 class StreamAssembler:
-    """Rebuilds a streamed chat/completions response from its SSE chunks, incrementally."""
+    """Rebuilds a streamed chat/completions response from its SSE chunks, incrementally.
+
+    With `n` > 1 the chunks of the choices interleave; each is assembled by its `index`.
+    """
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
         self._pending = b""
         self._done = False
         self._head: dict[str, Any] = {}
-        self._text: list[str] = []
-        self._reasoning: list[str] = []
-        self._role = "assistant"
-        self._tool_calls: dict[int, dict[str, Any]] = {}
+        # Choice 0 always exists, so a stream that never sent a choice still records one (as before n > 1).
+        self._choices: dict[int, _StreamChoice] = {0: _StreamChoice(0, endpoint)}
         self._prompt_ids: list[int] = []
-        self._token_ids: list[int] = []
-        self._logprobs: list[float] = []
-        self._has_logprobs = False
-        self._finish: str | None = None
         self._usage: Any = None
         self._errors: list[str] = []
 
@@ -150,73 +260,45 @@ class StreamAssembler:
         if chunk.get("usage"):
             self._usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
-            if choice.get("index", 0) == 0:
-                self._choice(choice)
+            if not isinstance(choice, dict):
+                continue
+            index = choice.get("index", 0)
+            index = index if isinstance(index, int) else 0
+            slot = self._choices.get(index)
+            if slot is None:
+                slot = self._choices[index] = _StreamChoice(index, self.endpoint)
+            slot.feed(choice)
 
-    def _choice(self, choice: dict[str, Any]) -> None:
-        if choice.get("prompt_token_ids"):  # completions puts them per choice
-            self._prompt_ids = list(choice["prompt_token_ids"])
-        self._token_ids.extend(choice.get("token_ids") or [])
-        lp = _logprobs_of(choice, self.endpoint)
-        if lp is not None:
-            self._has_logprobs = True
-            self._logprobs.extend(lp)
-        if choice.get("finish_reason"):
-            self._finish = choice["finish_reason"]
-        if self.endpoint == "completions":
-            self._text.append(choice.get("text") or "")
-            return
-        delta = choice.get("delta") or {}
-        self._role = delta.get("role") or self._role
-        if delta.get("content"):
-            self._text.append(delta["content"])
-        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-        if reasoning:
-            self._reasoning.append(reasoning)
-        for tc in delta.get("tool_calls") or []:
-            self._tool_call_delta(tc)
-
-    def _tool_call_delta(self, tc: dict[str, Any]) -> None:
-        slot = self._tool_calls.setdefault(int(tc.get("index", 0)),
-                                           {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
-        if tc.get("id"):
-            slot["id"] = tc["id"]
-        if tc.get("type"):
-            slot["type"] = tc["type"]
-        fn = tc.get("function") or {}
-        if fn.get("name"):
-            slot["function"]["name"] += fn["name"]
-        if fn.get("arguments"):
-            slot["function"]["arguments"] += fn["arguments"]
+    def _extra_choices(self, prompt_ids: list[int]) -> list[Choice]:
+        """Choices 1.. that answer the same prompt (a batched completions request answers one
+        choice per prompt: those are not alternatives); none if the server sent no token IDs."""
+        if not prompt_ids:
+            return []
+        records = (self._choices[i].record() for i in sorted(self._choices)
+                   if i > 0 and self._choices[i].prompt_ids in ([], prompt_ids))
+        return [r for r in records if r is not None]
 
     def result(self) -> Assembled:
         if self._pending.strip():
             self._line(self._pending.rstrip(b"\r"))
             self._pending = b""
-        complete = self._finish is not None or self._done
-        text = "".join(self._text)
-        if self.endpoint == "completions":
-            choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": self._finish}
-            obj = "text_completion"
-        else:
-            message: dict[str, Any] = {"role": self._role, "content": text or None}
-            if self._reasoning:
-                message["reasoning_content"] = "".join(self._reasoning)
-            if self._tool_calls:
-                message["tool_calls"] = [self._tool_calls[i] for i in sorted(self._tool_calls)]
-            choice = {"index": 0, "message": message, "finish_reason": self._finish}
-            obj = "chat.completion"
-        response = {**self._head, "object": obj, "choices": [choice]}
+        first = self._choices[0]
+        # Complete: [DONE], or every choice finished (a stream cut after choice 0 ended is partial).
+        complete = self._done or all(c.finish is not None for c in self._choices.values())
+        obj = "text_completion" if self.endpoint == "completions" else "chat.completion"
+        response = {**self._head, "object": obj, "choices": [self._choices[i].as_json() for i in sorted(self._choices)]}
         if self._usage is not None:
             response["usage"] = self._usage
+        prompt_ids = self._prompt_ids or first.prompt_ids
         return Assembled(
             response=response,
-            prompt_token_ids=self._prompt_ids,
-            completion_token_ids=self._token_ids,
-            logprobs=self._logprobs if self._has_logprobs else None,
-            finish_reason=self._finish,
+            prompt_token_ids=prompt_ids,
+            completion_token_ids=first.token_ids,
+            logprobs=first.logprobs if first.has_logprobs else None,
+            finish_reason=first.finish,
             complete=complete and not self._errors,
             error="; ".join(self._errors) or None,
+            extra_choices=self._extra_choices(prompt_ids),
         )
 
 

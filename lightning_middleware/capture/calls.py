@@ -210,6 +210,7 @@ class DeferredCall:
             started_at=p.started_at,
             policy_version=pv,
             request_hash=hashlib.sha256(p.body).hexdigest(),
+            extra_choices=tuple(a.extra_choices),
         )
 
 

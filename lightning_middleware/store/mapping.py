@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import binascii
+import logging
+import struct
 import time
 from typing import Any
 
 import sqlalchemy as sa
 
 from lightning_middleware import fastjson
-from lightning_middleware.records import LLMCall, PolicyVersion, Reward, Rollout
+from lightning_middleware.records import Choice, LLMCall, PolicyVersion, Reward, Rollout
 from lightning_middleware.store import schema as S
-from lightning_middleware.store.codec import pack_floats, pack_ints, unpack_floats, unpack_ints
+from lightning_middleware.store.codec import (
+    floats_to_text,
+    ints_to_text,
+    pack_floats,
+    pack_ints,
+    text_to_floats,
+    text_to_ints,
+    unpack_floats,
+    unpack_ints,
+)
+
+log = logging.getLogger(__name__)
 
 CALL_COLUMNS = tuple(c.name for c in S.llm_calls.columns)
 _JSON_COLUMNS = {"request", "response"}
@@ -40,6 +54,45 @@ def _json_text(value: Any) -> str | None:
     return None if value is None else fastjson.dumps(value)
 
 
+# The choices after the first of a request with n > 1 (`LLMCall.extra_choices`) are kept inside
+# the response JSON under this key, their token IDs and logprobs packed as the columns pack
+# choice 0's (base64 text). Inside the JSON rather than in a new column: every store, whatever
+# its age, reads and writes them with no migration, an older reader sees one unknown field, and
+# calls with n = 1 (nearly all) pay nothing.
+EXTRA_CHOICES_KEY = "lightning_extra_choices"
+
+
+def _response_text(call: LLMCall) -> str | None:
+    if not call.extra_choices:
+        return _json_text(call.response)
+    extras = [_choice_json(c) for c in call.extra_choices]
+    return fastjson.dumps({**(call.response or {}), EXTRA_CHOICES_KEY: extras})
+
+
+def _choice_json(c: Choice) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": c.index, "token_ids": ints_to_text(c.completion_token_ids),
+                           "finish_reason": c.finish_reason}
+    if c.logprobs is not None:
+        out["logprobs"] = floats_to_text(c.logprobs)
+    return out
+
+
+def split_response(stored: Any) -> tuple[dict[str, Any] | None, tuple[Choice, ...]]:
+    """A stored response JSON as (the response, the extra choices kept inside it)."""
+    if not isinstance(stored, dict) or EXTRA_CHOICES_KEY not in stored:
+        return stored, ()
+    response = {k: v for k, v in stored.items() if k != EXTRA_CHOICES_KEY}
+    try:
+        extras = tuple(Choice(index=int(c["index"]), completion_token_ids=text_to_ints(c["token_ids"]),
+                              logprobs=text_to_floats(c["logprobs"]) if c.get("logprobs") is not None else None,
+                              finish_reason=c.get("finish_reason"))
+                       for c in stored[EXTRA_CHOICES_KEY])
+    except (KeyError, TypeError, ValueError, binascii.Error, struct.error):
+        log.warning("a stored response's extra choices are unreadable; reading the call without them")
+        extras = ()
+    return response or None, extras  # `or None`: a record without a response was stored as only the key
+
+
 def call_tuple(call: LLMCall) -> tuple[Any, ...]:
     """One llm_calls row in CALL_COLUMNS order, ready for the driver."""
     values = {
@@ -51,7 +104,7 @@ def call_tuple(call: LLMCall) -> tuple[Any, ...]:
         "model": call.model,
         "agent_name": call.agent_name,
         "request": _json_text(call.request),
-        "response": _json_text(call.response),
+        "response": _response_text(call),
         "prompt_token_ids": pack_ints(call.prompt_token_ids) if call.prompt_token_ids else None,
         "completion_token_ids": pack_ints(call.completion_token_ids) if call.completion_token_ids else None,
         "logprobs": pack_floats(call.logprobs),
@@ -71,6 +124,7 @@ def call_tuple(call: LLMCall) -> tuple[Any, ...]:
 
 def call_record(row: sa.Row) -> LLMCall:
     m = row._mapping
+    response, extras = split_response(m["response"])
     return LLMCall(
         id=m["id"],
         rollout_id=m["rollout_id"],
@@ -80,7 +134,7 @@ def call_record(row: sa.Row) -> LLMCall:
         model=m["model"],
         agent_name=m["agent_name"],
         request=m["request"] or {},
-        response=m["response"],
+        response=response,
         prompt_token_ids=unpack_ints(m["prompt_token_ids"]),
         completion_token_ids=unpack_ints(m["completion_token_ids"]),
         logprobs=unpack_floats(m["logprobs"]),
@@ -94,6 +148,7 @@ def call_record(row: sa.Row) -> LLMCall:
         started_at=m["started_at"],
         policy_version=m["policy_version"],
         request_hash=m["request_hash"],
+        extra_choices=extras,
     )
 
 

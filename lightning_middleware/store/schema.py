@@ -1,7 +1,9 @@
 """The trace store's schema: one SQLAlchemy Core schema for SQLite and PostgreSQL.
 
 Timestamps are float seconds since the epoch (portable across both engines and
-cheap to compare). Token IDs and logprobs are packed binary (see `_codec`).
+cheap to compare). Token IDs and logprobs are packed binary (see `codec`): choice 0's in
+their columns; those of the other choices of a request with n > 1 packed the same way inside the
+response JSON (`mapping.EXTRA_CHOICES_KEY`), so that needed no new column or schema version.
 `llm_calls.rollout_id` has no foreign key on purpose: calls can arrive before the
 rollout row (another process, the `x-rollout-id` header) or belong to no rollout.
 """

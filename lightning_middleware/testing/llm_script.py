@@ -12,6 +12,9 @@ predict every token:
   into `tool_calls`). With a model name containing `multi-tool` it calls every
   offered tool, one per turn, in order. Then it answers `echo: <last message>`.
 - Logprob of completion token i is `-(i % 7) / 10`.
+- `n` > 1: `n` distinct choices. Choice 0 is the answer above; choice k answers `echo k: ...`
+  (a tool call gets `"variant": k` in its arguments), and its token i has logprob
+  `-((i + k) % 7) / 10`. Streamed, the choices' chunks take turns.
 - Test hooks, as request headers: `x-test-fail-times: N` fails the first N
   attempts of an identical body with 500; `x-test-delay: S` sleeps S seconds
   before each streamed chunk; `x-test-strict: 1` rejects unknown fields with
@@ -65,8 +68,8 @@ def tokenize(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-def _reply(body: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
-    """(completion text, tool call or None) for a chat request."""
+def _reply(body: dict[str, Any], k: int = 0) -> tuple[str, dict[str, Any] | None]:
+    """(completion text, tool call or None) of choice `k` of a chat request."""
     messages = body.get("messages") or []
     tools = body.get("tools") or []
     since_user = []
@@ -79,11 +82,24 @@ def _reply(body: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
     wanted = len(tools) if "multi-tool" in str(body.get("model", "")) else min(1, len(tools))
     if results < wanted:
         fn = tools[results].get("function", tools[results])
-        args = json.dumps({"query": _last_text(messages)[:40]})
+        query: dict[str, Any] = {"query": _last_text(messages)[:40]}
+        args = json.dumps(query if k == 0 else {**query, "variant": k})
         call: dict[str, Any] = {"id": f"call_{hashlib.sha1(args.encode()).hexdigest()[:8]}", "type": "function",
                 "function": {"name": fn.get("name", "tool"), "arguments": args}}
         return _tool_call_text(call["function"]["name"], args), call
-    return f"echo: {_last_text(messages)[:60]}", None
+    return f"{_echo(k)} {_last_text(messages)[:60]}", None
+
+
+def _echo(k: int) -> str:
+    """The answer's opening word: choice k > 0 of a request with n > 1 answers differently."""
+    return "echo:" if k == 0 else f"echo {k}:"
+
+
+def _n_of(body: dict[str, Any]) -> int:
+    try:
+        return max(1, min(int(body.get("n") or 1), 64))
+    except (TypeError, ValueError):
+        return 1
 
 
 def _last_text(messages: list[dict[str, Any]]) -> str:
@@ -102,40 +118,59 @@ def _cap(ids: list[int], body: dict[str, Any]) -> tuple[list[int], str]:
     return ids, "stop"
 
 
-def _logprob(i: int) -> float:
-    return -(i % 7) / 10
+def _logprob(i: int, k: int = 0) -> float:
+    return -((i + k) % 7) / 10
 
 
-def _logprobs_block(ids: list[int], start: int, chat: bool) -> dict[str, Any]:
+def _logprobs_block(ids: list[int], start: int, chat: bool, k: int = 0) -> dict[str, Any]:
     if chat:
-        return {"content": [{"token": f"<{t}>", "logprob": _logprob(start + i), "bytes": [t], "top_logprobs": []}
+        return {"content": [{"token": f"<{t}>", "logprob": _logprob(start + i, k), "bytes": [t], "top_logprobs": []}
                             for i, t in enumerate(ids)]}
-    return {"tokens": [f"<{t}>" for t in ids], "token_logprobs": [_logprob(start + i) for i in range(len(ids))],
+    return {"tokens": [f"<{t}>" for t in ids], "token_logprobs": [_logprob(start + i, k) for i in range(len(ids))],
             "top_logprobs": None, "text_offset": list(range(len(ids)))}
 
 
-def _chat_response(body: dict[str, Any]) -> dict[str, Any]:
-    prompt = tokenize(render_chat(body.get("messages") or []))
-    text, call = _reply(body)
+def _chat_choice(body: dict[str, Any], k: int) -> tuple[dict[str, Any], list[int]]:
+    text, call = _reply(body, k)
     ids, finish = _cap(tokenize(text), body)
     if call is not None and finish == "stop":
         message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [call]}
         finish = "tool_calls"
     else:
         message = {"role": "assistant", "content": bytes(ids).decode("utf-8", "replace")}
-    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+    choice: dict[str, Any] = {"index": k, "message": message, "finish_reason": finish, "logprobs": None}
     if body.get("logprobs"):
-        choice["logprobs"] = _logprobs_block(ids, 0, True)
+        choice["logprobs"] = _logprobs_block(ids, 0, True, k)
+    if body.get("return_token_ids"):
+        choice["token_ids"] = ids
+    return choice, ids
+
+
+def _chat_response(body: dict[str, Any]) -> dict[str, Any]:
+    prompt = tokenize(render_chat(body.get("messages") or []))
+    choices, ids = zip(*(_chat_choice(body, k) for k in range(_n_of(body))))
+    completion_tokens = sum(len(i) for i in ids)
     out: dict[str, Any] = {
         "id": "chatcmpl-" + hashlib.sha1(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12],
         "object": "chat.completion", "created": int(time.time()), "model": body.get("model", "test-model"),
-        "choices": [choice],
-        "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)},
+        "choices": list(choices),
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
+                  "total_tokens": len(prompt) + completion_tokens},
     }
     if body.get("return_token_ids"):
         out["prompt_token_ids"] = prompt
-        choice["token_ids"] = ids
     return out
+
+
+def _completion_choice(body: dict[str, Any], prompt_ids: list[int], k: int) -> tuple[dict[str, Any], list[int]]:
+    ids, finish = _cap(tokenize(f"{_echo(k)} {bytes(prompt_ids[-20:]).decode('utf-8', 'replace')}"), body)
+    choice: dict[str, Any] = {"index": k, "text": bytes(ids).decode("utf-8", "replace"), "finish_reason": finish,
+                              "logprobs": _logprobs_block(ids, 0, False, k) if body.get("logprobs") is not None
+                              else None}
+    if body.get("return_token_ids"):
+        choice["prompt_token_ids"] = prompt_ids
+        choice["token_ids"] = ids
+    return choice, ids
 
 
 def _completion_response(body: dict[str, Any]) -> dict[str, Any]:
@@ -145,58 +180,59 @@ def _completion_response(body: dict[str, Any]) -> dict[str, Any]:
         prompt_ids = list(prompt_text) if token_list else tokenize(str(prompt_text[0]))
     else:
         prompt_ids = tokenize(prompt_text)
-    ids, finish = _cap(tokenize(f"echo: {bytes(prompt_ids[-20:]).decode('utf-8', 'replace')}"), body)
-    choice: dict[str, Any] = {"index": 0, "text": bytes(ids).decode("utf-8", "replace"), "finish_reason": finish,
-                              "logprobs": _logprobs_block(ids, 0, False) if body.get("logprobs") is not None else None}
-    if body.get("return_token_ids"):
-        choice["prompt_token_ids"] = prompt_ids
-        choice["token_ids"] = ids
+    choices, ids = zip(*(_completion_choice(body, prompt_ids, k) for k in range(_n_of(body))))
+    completion_tokens = sum(len(i) for i in ids)
     return {"id": "cmpl-test", "object": "text_completion", "created": int(time.time()),
-            "model": body.get("model", "test-model"), "choices": [choice],
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
-                      "total_tokens": len(prompt_ids) + len(ids)}}
+            "model": body.get("model", "test-model"), "choices": list(choices),
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                      "total_tokens": len(prompt_ids) + completion_tokens}}
 
 
-def _stream_chunks(body: dict[str, Any], chat: bool) -> list[dict[str, Any]]:
-    """The full response cut into SSE chunks of 4 tokens, vLLM-style."""
-    # Build the whole answer with token IDs on, then drop them per chunk if not asked for.
-    full_body = {**body, "return_token_ids": True}
-    full = _chat_response(full_body) if chat else _completion_response(full_body)
-    choice = full["choices"][0]
-    ids = choice["token_ids"]
-    head = {"id": full["id"], "created": full["created"], "model": full["model"],
-            "object": "chat.completion.chunk" if chat else "text_completion"}
-    chunks: list[dict[str, Any]] = []
+def _choice_deltas(body: dict[str, Any], choice: dict[str, Any], chat: bool) -> list[dict[str, Any]]:
+    """One choice of the full answer as its stream deltas, 4 tokens each, vLLM-style."""
+    k, ids = choice["index"], choice["token_ids"]
+    tool_calls = chat and choice["message"].get("tool_calls")
+    out: list[dict[str, Any]] = []
     for start in range(0, max(len(ids), 1), 4):
         part = ids[start:start + 4]
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if start == 0 else {}
-            if not choice["message"].get("tool_calls"):
+            if not tool_calls:
                 delta["content"] = bytes(part).decode("utf-8", "replace")
-            c: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
+            c: dict[str, Any] = {"index": k, "delta": delta, "finish_reason": None, "logprobs": None}
         else:
-            c = {"index": 0, "text": bytes(part).decode("utf-8", "replace"), "finish_reason": None, "logprobs": None}
+            c = {"index": k, "text": bytes(part).decode("utf-8", "replace"), "finish_reason": None, "logprobs": None}
         if body.get("logprobs") is not None and body.get("logprobs") is not False:
-            c["logprobs"] = _logprobs_block(part, start, chat)
+            c["logprobs"] = _logprobs_block(part, start, chat, k)
         if body.get("return_token_ids"):
             c["token_ids"] = part
-        chunk = {**head, "choices": [c]}
-        if start == 0 and body.get("return_token_ids"):
-            if chat:
-                chunk["prompt_token_ids"] = full["prompt_token_ids"]
-            else:
+            if start == 0 and not chat:
                 c["prompt_token_ids"] = choice["prompt_token_ids"]
-        chunks.append(chunk)
-    if chat and choice["message"].get("tool_calls"):
-        tc = choice["message"]["tool_calls"][0]
-        args = tc["function"]["arguments"]
-        chunks.append({**head, "choices": [{"index": 0, "finish_reason": None, "delta": {"tool_calls": [
+        out.append(c)
+    if tool_calls:
+        tc = tool_calls[0]
+        out.append({"index": k, "finish_reason": None, "delta": {"tool_calls": [
             {"index": 0, "id": tc["id"], "type": "function",
-             "function": {"name": tc["function"]["name"], "arguments": ""}}]}}]})
-        chunks.append({**head, "choices": [{"index": 0, "finish_reason": None, "delta": {"tool_calls": [
-            {"index": 0, "function": {"arguments": args}}]}}]})
-    end = {"index": 0, "delta": {}, "text": "", "finish_reason": choice["finish_reason"]}
-    chunks.append({**head, "choices": [end]})
+             "function": {"name": tc["function"]["name"], "arguments": ""}}]}})
+        out.append({"index": k, "finish_reason": None, "delta": {"tool_calls": [
+            {"index": 0, "function": {"arguments": tc["function"]["arguments"]}}]}})
+    out.append({"index": k, "delta": {}, "text": "", "finish_reason": choice["finish_reason"]})
+    return out
+
+
+def _stream_chunks(body: dict[str, Any], chat: bool) -> list[dict[str, Any]]:
+    """The full response cut into SSE chunks of 4 tokens, vLLM-style: one choice a chunk, the
+    choices of a request with n > 1 taking turns, so a reader must assemble them by `index`."""
+    # Build the whole answer with token IDs on, then drop them per chunk if not asked for.
+    full_body = {**body, "return_token_ids": True}
+    full = _chat_response(full_body) if chat else _completion_response(full_body)
+    head = {"id": full["id"], "created": full["created"], "model": full["model"],
+            "object": "chat.completion.chunk" if chat else "text_completion"}
+    per_choice = [_choice_deltas(body, choice, chat) for choice in full["choices"]]
+    chunks = [{**head, "choices": [deltas[step]]}
+              for step in range(max(len(d) for d in per_choice)) for deltas in per_choice if step < len(deltas)]
+    if chat and body.get("return_token_ids"):
+        chunks[0]["prompt_token_ids"] = full["prompt_token_ids"]
     if (body.get("stream_options") or {}).get("include_usage"):
         chunks.append({**head, "choices": [], "usage": full["usage"]})
     return chunks

@@ -130,3 +130,24 @@ def test_open_store_errors(tmp_path) -> None:
     sqlite3.connect(tmp_path / "other.db").execute("create table x (y int)").connection.commit()
     with pytest.raises(StoreError, match="no trace tables"):
         A.open_store(f"sqlite:///{tmp_path / 'other.db'}")
+
+
+def test_transcript_shows_and_marks_the_choice_trained(store: TraceStore) -> None:
+    """A call with n = 2 whose choice 1 the agent continued: the transcript shows choice 1's reply,
+    and its trained counts are choice 1's tokens, not choice 0's."""
+    from lightning_middleware.records import Choice, LLMCall, Rollout
+
+    store.create_rollout(Rollout(id="rc", task_id="t", status="succeeded"))
+    resp = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "zero"}},
+                        {"index": 1, "message": {"role": "assistant", "content": "one!"}}]}
+    first = LLMCall(id="c0", rollout_id="rc", call_index=0, request={"messages": [{"role": "user", "content": "q"}]},
+                    response=resp, prompt_token_ids=(1, 2), completion_token_ids=(10,), logprobs=(-0.1,),
+                    status_code=200, is_training=True, extra_choices=(Choice(1, (20, 21, 22), (-0.2,) * 3, "stop"),))
+    second = LLMCall(id="c1", rollout_id="rc", call_index=1, response={"choices": [{"message": {"content": "ok"}}]},
+                     request={"messages": [{"role": "user", "content": "q"}]}, prompt_token_ids=(1, 2, 20, 21, 22, 5),
+                     completion_token_ids=(6,), logprobs=(-0.3,), status_code=200, is_training=True)
+    for c in (first, second):
+        store.record_call(c)
+    assert A.trained_spans(store.calls("rc")) == {"c0": (3, 3), "c1": (1, 1)}
+    text = A.transcript(store, "rc").text()
+    assert "one!" in text and "zero" not in text and "choices=2 trained=1" in text

@@ -2,7 +2,16 @@
 
 import pytest
 
-from lightning_middleware.store.codec import pack_floats, pack_ints, unpack_floats, unpack_ints
+from lightning_middleware.store.codec import (
+    floats_to_text,
+    ints_to_text,
+    pack_floats,
+    pack_ints,
+    text_to_floats,
+    text_to_ints,
+    unpack_floats,
+    unpack_ints,
+)
 
 
 @pytest.mark.parametrize("ids", [(), (0,), (1, 2, 3), (2**31 - 1, -(2**31), 151_643), tuple(range(5000))])
@@ -27,3 +36,10 @@ def test_out_of_range_token_id_is_an_error():
 
     with pytest.raises(struct.error):
         pack_ints((2**31,))
+
+
+@pytest.mark.parametrize("ids", [(), (0,), (2**31 - 1, -(2**31), 151_643), tuple(range(3000))])
+def test_text_packing_round_trips_like_the_columns(ids):
+    lps = tuple(-0.001 * i for i in range(len(ids)))
+    assert text_to_ints(ints_to_text(ids)) == ids
+    assert text_to_floats(floats_to_text(lps)) == unpack_floats(pack_floats(lps))  # the same float32 values

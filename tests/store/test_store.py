@@ -10,6 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 from lightning_middleware import LLMCall, PolicyVersion, Reward, Rollout, StoreError, TraceStore, TrainStep
+from lightning_middleware.records import Choice
 from lightning_middleware.store import schema as S
 
 
@@ -51,6 +52,41 @@ def test_missing_logprobs_stay_none_and_empty_ids_stay_empty(store: TraceStore) 
     [got] = store.calls("r")
     assert got.prompt_token_ids == () and got.completion_token_ids == () and got.logprobs is None
     assert not got.has_token_ids
+
+
+def test_extra_choices_round_trip_inside_the_response_json(store: TraceStore) -> None:
+    """The choices after the first of an n > 1 call come back exactly, each with its own tokens and
+    logprobs (float32, as choice 0's), from inside the response column; choice 0 stays in the columns."""
+    extra = (Choice(1, (9, 2**31 - 1, 0), (-0.25, -0.125, -3.5), "length"), Choice(2, (), None, "stop"),
+             Choice(3, (151_643,), (-17.25,), None))
+    resp = {"choices": [{"index": k, "message": {"content": f"y{k}"}} for k in range(4)]}
+    store.record_call(_call("r", 0, response=resp, extra_choices=extra))
+    store.record_call(_call("r", 1, response=None, extra_choices=extra[:1]))  # a hand-made record without one
+    got, bare = store.calls("r")
+    assert got.extra_choices == extra  # these logprobs are exact in float32
+    assert got.response == resp and got.completion_token_ids == (4, 5) and got.logprobs == (-0.5, -1.25)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3] and got.choice(1).completion_token_ids == (9, 2**31 - 1, 0)
+    assert bare.response is None and bare.extra_choices == extra[:1]
+    with store.engine.connect() as conn:
+        stored = conn.execute(sa.select(S.llm_calls.c.response).where(S.llm_calls.c.call_index == 0)).scalar_one()
+    assert stored["lightning_extra_choices"][0]["index"] == 1 and isinstance(
+        stored["lightning_extra_choices"][0]["token_ids"], str)  # packed as the columns are, base64
+
+
+def test_a_call_with_one_choice_stores_its_response_as_before(store: TraceStore) -> None:
+    resp = {"choices": [{"index": 0, "message": {"content": "y"}}]}
+    store.record_call(_call("r", 0, response=resp))
+    with store.engine.connect() as conn:
+        stored = conn.execute(sa.select(S.llm_calls.c.response)).scalar_one()
+    assert stored == resp and store.calls("r")[0].extra_choices == ()
+
+
+def test_unreadable_extra_choices_leave_the_call_readable(store: TraceStore, caplog) -> None:
+    store.record_call(_call("r", 0, response={"choices": [], "lightning_extra_choices": [{"index": 1,
+                                                                                          "token_ids": "%%"}]}))
+    [got] = store.calls("r")
+    assert got.extra_choices == () and got.response == {"choices": []} and got.completion_token_ids == (4, 5)
+    assert "unreadable" in caplog.text
 
 
 def test_query_filters(store: TraceStore) -> None:
