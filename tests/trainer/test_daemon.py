@@ -80,6 +80,7 @@ def test_step_consumes_groups_and_commits_version(llm_server, store, model_dir, 
     assert result.step == 1 and result.policy_version == 1
     m = result.metrics
     assert m["n_rollouts"] == 8 and m["n_groups"] == 2 and m["reward_mean"] == 0.5
+    assert (m["reward_p25"], m["reward_median"], m["reward_p75"]) == (0.0, 0.5, 1.0)  # numpy's percentiles
     assert m["rows_merges"] == 8 and m["rows_prefix_breaks"] == 0  # 2-turn chats merge into one row each
     assert m["skipped_uniform_reward"] == 4  # group c: all rewards equal, no signal
     assert m["loss"] == m["loss"] and m["grad_norm"] > 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
+import statistics
 import threading
 import time
 from collections import Counter
@@ -389,6 +390,8 @@ class TrainerDaemon:
             "reward_std": std,
             "reward_min": min(rewards),
             "reward_max": max(rewards),
+            # the distribution beyond mean/std: quartiles (statistics' "inclusive" method, as numpy's default)
+            **dict(zip(("reward_p25", "reward_median", "reward_p75"), _quartiles(rewards))),
             "success_rate": sum(1 for x in rewards if x >= self.config.success_threshold) / len(rewards),
             "adv_mean": sum(advs) / len(advs),
             "adv_abs_mean": sum(abs(a) for a in advs) / len(advs),
@@ -403,3 +406,9 @@ class TrainerDaemon:
             **{f"skipped_{k}": v for k, v in skipped.items()},
             **publish,
         }
+
+
+def _quartiles(values: Sequence[float]) -> list[float]:
+    if len(values) < 2:
+        return [values[0]] * 3
+    return statistics.quantiles(values, n=4, method="inclusive")
