@@ -9,6 +9,7 @@ become null (PostgreSQL's json type rejects them).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import orjson
@@ -24,6 +25,18 @@ def dumps(value: Any) -> str:
             return json.dumps(value, default=str, separators=(",", ":"))
         except (RecursionError, ValueError):  # too deep even for the standard library: keep a trace, not the value
             return json.dumps({"lightning_unstorable": f"a {type(value).__name__} nested too deeply to store"})
+
+
+# A NUL escape in a JSON string (an even run of backslashes before it is text, not an escape).
+_NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+
+
+def dumps_stored(value: Any) -> str:
+    """`dumps` for a store's JSON column: a NUL in a string becomes U+FFFD. PostgreSQL's json type
+    takes the escape, but nothing reads it back as text there (jsonb, `->>`), so a NUL that a
+    client or a server sent would make the row unreadable."""
+    text = dumps(value)
+    return _NUL_ESCAPE.sub(r"\1\\ufffd", text) if "\\u0000" in text else text
 
 
 def loads(data: bytes | str) -> Any:

@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning_middleware.capture import RolloutState
 from lightning_middleware.gateway.errors import HTTPError
-from lightning_middleware.gateway.requests import ID_RE
+from lightning_middleware.gateway.requests import is_rollout_id
 from lightning_middleware.records import Mode, Reward, Rollout, RolloutStatus
 from lightning_middleware.store import TraceStore
 
@@ -60,8 +60,7 @@ class RolloutRegistry:
         """The open rollout a call or request names (loaded from the store after a restart)."""
         entry = self._open.get(rollout_id)
         if entry is None:
-            if not ID_RE.match(rollout_id):
-                raise HTTPError(400, "rollout ids are 1-64 characters of A-Z a-z 0-9 . _ : -", code="bad_rollout_id")
+            check_rollout_id(rollout_id)
             stored = await asyncio.to_thread(self.store.get_rollout, rollout_id)
             if stored is None:
                 raise HTTPError(404, f"no rollout {rollout_id!r}: create it first with POST /rollouts",
@@ -84,13 +83,13 @@ class RolloutRegistry:
 
     async def create(self, body: dict[str, Any], policy_version: int | None) -> tuple[Rollout, bool]:
         task_id = body.get("task_id")
-        if not isinstance(task_id, str) or not task_id or len(task_id) > 255:
-            raise HTTPError(400, "task_id (a non-empty string, at most 255 characters) is required", code="bad_task_id")
+        if not short_text(task_id) or not task_id:
+            raise HTTPError(400, "task_id (a non-empty string, at most 255 characters, no NUL) is required",
+                            code="bad_task_id")
         rid = body.get("id") if body.get("id") is not None else body.get("rollout_id")
         if rid is None:
             rid = uuid.uuid4().hex
-        if not isinstance(rid, str) or not ID_RE.match(rid):
-            raise HTTPError(400, "id must be 1-64 characters of A-Z a-z 0-9 . _ : -", code="bad_rollout_id")
+        check_rollout_id(rid)
         mode = body.get("mode", Mode.TRAIN.value)
         if mode not in (Mode.TRAIN.value, Mode.VAL.value):
             raise HTTPError(400, f"mode must be 'train' or 'val', got {mode!r}", code="bad_mode")
@@ -123,8 +122,8 @@ class RolloutRegistry:
         if status not in (RolloutStatus.SUCCEEDED.value, RolloutStatus.FAILED.value, RolloutStatus.TIMEOUT.value):
             raise HTTPError(400, "status must be 'succeeded', 'failed' or 'timeout'", code="bad_status")
         error = body.get("error")
-        if error is not None and not isinstance(error, str):
-            error = json.dumps(error)[:4000]
+        if error is not None:  # kept, however it came: a failure's message is worth more than its form
+            error = (error if isinstance(error, str) else json.dumps(error))[:4000].replace("\x00", "\ufffd")
         entry = await self.entry(rollout_id, for_call=False)
         if entry.finished:
             stored = await asyncio.to_thread(self.store.get_rollout, rollout_id)
@@ -149,11 +148,25 @@ class RolloutRegistry:
 
 def reward_from(rollout_id: str, body: dict[str, Any]) -> Reward:
     value = body.get("value", body.get("reward"))
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise HTTPError(400, f"reward value must be a finite number, got {value!r}", code="bad_reward")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        raise HTTPError(400, f"reward value must be a finite number, got {repr(value)[:100]}", code="bad_reward")
     metadata = body.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise HTTPError(400, "metadata must be an object", code="bad_metadata")
     name = body.get("name")
-    return Reward(rollout_id=rollout_id, value=float(value), name=str(name) if name is not None else None,
+    if name is not None and not short_text(name):
+        raise HTTPError(400, "a reward's name must be a string of at most 255 characters, no NUL", code="bad_reward")
+    return Reward(rollout_id=rollout_id, value=float(value), name=name,
                   final=bool(body.get("final", True)), created_at=time.time(), metadata=metadata)
+
+
+def check_rollout_id(rid: object) -> None:
+    if not is_rollout_id(rid):
+        raise HTTPError(400, "a rollout id is 1-64 characters of A-Z a-z 0-9 . _ : -, not only dots",
+                        code="bad_rollout_id")
+
+
+def short_text(value: object, limit: int = 255) -> bool:
+    """A string the store's short text columns hold on every database (PostgreSQL: no NUL, the
+    column's length)."""
+    return isinstance(value, str) and len(value) <= limit and "\x00" not in value

@@ -38,7 +38,7 @@ def normalise_url(url: str) -> sa.URL:
     return parsed
 
 
-_JSON_CODEC = {"json_serializer": fastjson.dumps, "json_deserializer": fastjson.loads}
+_JSON_CODEC = {"json_serializer": fastjson.dumps_stored, "json_deserializer": fastjson.loads}
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
