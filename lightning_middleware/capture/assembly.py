@@ -166,13 +166,20 @@ class _StreamChoice:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.has_logprobs = False
+        self.unreadable_logprobs = False
         self.finish: str | None = None
 
     def feed(self, choice: dict[str, Any]) -> None:
         if choice.get("prompt_token_ids"):
             self.prompt_ids = list(choice["prompt_token_ids"])
         self.token_ids.extend(choice.get("token_ids") or [])
-        lp = _safe_logprobs(choice, self.endpoint)  # a malformed chunk costs its logprobs, not the record
+        try:
+            lp = _logprobs_of(choice, self.endpoint)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            # A malformed block costs the choice its logprobs, not its record: the ones that came
+            # can no longer be paired with their tokens (as in a whole body, `_safe_logprobs`).
+            self.unreadable_logprobs = True
+            lp = None
         if lp is not None:
             self.has_logprobs = True
             self.logprobs.extend(lp)
@@ -222,8 +229,14 @@ class _StreamChoice:
             ids = tuple(int(t) for t in self.token_ids)
         except (TypeError, ValueError):
             return None
-        lp = _aligned(self.logprobs, self.token_ids) if self.has_logprobs else None
+        lp = self.kept_logprobs()
         return Choice(self.index, ids, tuple(lp) if lp is not None else None, self.finish)
+
+    def kept_logprobs(self) -> list[float] | None:
+        """The logprobs, if every block was readable and there is one per token."""
+        if not self.has_logprobs or self.unreadable_logprobs:
+            return None
+        return _aligned(self.logprobs, self.token_ids)
 
 
 class StreamAssembler:
@@ -324,7 +337,7 @@ class StreamAssembler:
             response=response,
             prompt_token_ids=prompt_ids,
             completion_token_ids=first.token_ids,
-            logprobs=_aligned(first.logprobs, first.token_ids) if first.has_logprobs else None,
+            logprobs=first.kept_logprobs(),
             finish_reason=first.finish,
             complete=complete and not self._errors,
             error="; ".join(self._errors) or None,

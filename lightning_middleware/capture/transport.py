@@ -28,8 +28,8 @@ import types
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from lightning_middleware.capture.rewriting import BodyRewriter, EventRewriter
 from lightning_middleware.capture.calls import ROUTING_HEADERS, CaptureSettings, PendingCall, begin_request
+from lightning_middleware.capture.rewriting import BodyRewriter, EventRewriter
 
 log = logging.getLogger(__name__)
 

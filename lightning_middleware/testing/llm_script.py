@@ -330,7 +330,8 @@ def _message_problem(m: Any) -> str | None:
         return "a message must be an object"
     if not _typed(m.get("role"), (str,)) or not _typed(m.get("content"), (str, list)):
         return "role must be a string, content a string or a list of parts"
-    parts = m.get("content") if isinstance(m.get("content"), list) else []
+    content = m.get("content")
+    parts: list[Any] = content if isinstance(content, list) else []
     if any(isinstance(p, dict) and not _typed(p.get("text"), (str,)) for p in parts):
         return "a content part's text must be a string"
     calls = m.get("tool_calls")

@@ -147,7 +147,7 @@ breaking_events = st.one_of(  # an event no completion stream has: not JSON, not
     st.sampled_from([b'data: {"error": {"message": "overloaded"}}', b'data: {"choices": 5}', b"data: {",
                      b'data: {"choices": [{"delta": 5}]}', b'data: {"choices": [{"delta": {"tool_calls": 5}}]}',
                      b'data: {"choices": [{"index": 0, "token_ids": "abc"}]}', b'data: {"choices": [7]}',
-                     b'data: {"choices": [{"index": 0, "logprobs": "x"}]}', b'data: {"prompt_token_ids": 7}']),
+                     b'data: {"prompt_token_ids": 7}']),  # (a malformed logprobs block is not: see the last test)
 )
 
 
@@ -388,16 +388,34 @@ def test_a_stream_let_go_unclosed_is_recorded_when_released(store: TraceStore) -
     assert call.partial and not call.is_training and call.stream
 
 
+def with_logprobs(stream: bool, logprobs: Any) -> bytes:
+    """A real answer whose choice 0 has `logprobs` (streamed: in the first chunk with tokens)."""
+    if not stream:
+        return json.dumps(broken_json(REAL, "logprobs", logprobs)).encode()
+    events = list(good_answer(True))
+    at = next(i for i, e in enumerate(events) if b'"token_ids"' in e)
+    chunk = json.loads(events[at][6:])
+    chunk["choices"][0]["logprobs"] = logprobs
+    events[at] = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    return b"".join(events)
+
+
+def streamed_token_ids() -> list[int]:
+    return [t for e in good_answer(True) if e.startswith(b"data: {")
+            for c in json.loads(e[6:]).get("choices", []) for t in c.get("token_ids") or []]
+
+
 @fuzz(40)
-@given(logprobs=broken_logprobs)
-def test_malformed_logprobs_cost_the_call_only_its_logprobs(store: TraceStore, logprobs: Any) -> None:
+@given(logprobs=broken_logprobs, stream=st.booleans())
+@example(logprobs="x", stream=True)  # found: a stream kept the other chunks' logprobs, paired with the wrong tokens
+def test_malformed_logprobs_cost_the_call_only_its_logprobs(store: TraceStore, logprobs: Any, stream: bool) -> None:
     tried("wrap: malformed logprobs blocks")
-    body = json.dumps(broken_json(REAL, "logprobs", logprobs)).encode()
-    scripted = Scripted(200, JSON_CT, (body,))
+    scripted = Scripted(200, SSE_CT if stream else JSON_CT, (with_logprobs(stream, logprobs),))
     client = wrap(httpx.Client(transport=httpx.MockTransport(scripted.handler(httpx))), store=store)
     with rollout("t", store=store) as r:
-        assert raw_post(client, stream=False)[0] == 200
+        assert raw_post(client, stream=stream)[0] == 200
     store.flush()
     [call] = store.calls(r.id)
     assert call.is_training and call.error is None and call.logprobs is None
-    assert call.completion_token_ids == tuple(REAL["choices"][0]["token_ids"])
+    expected = streamed_token_ids() if stream else REAL["choices"][0]["token_ids"]
+    assert list(call.completion_token_ids) == expected
