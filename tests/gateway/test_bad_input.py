@@ -49,6 +49,12 @@ class Served:
     def send(self, method: str, path: str, **kw: Any) -> Answer:
         return self.loop.run_until_complete(request(self.gw.app, method, path, **kw))
 
+    def calls(self) -> int:
+        """How many calls the store holds (after the writer's queue is flushed)."""
+        self.store.flush()
+        with self.store.engine.connect() as conn:
+            return int(conn.execute(sa.text("SELECT count(*) FROM llm_calls")).scalar() or 0)
+
     def post(self, path: str, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> Answer:
         return self.send("POST", path, headers=[JSON_CT, *(headers or [])], chunks=[body])
 
@@ -194,8 +200,12 @@ def test_every_field_with_a_wrong_type_is_a_4xx(served: Served, endpoint: str, f
     body = {**(CHAT if endpoint == "chat" else COMPLETION), name: value}
     suffix = PROXY_SUFFIXES[0] if endpoint == "chat" else PROXY_SUFFIXES[1]
     tried("gateway: a request field of the wrong type")
+    before = served.calls()
     assert_refused(served.post(f"/rollouts/{served.rid}{suffix}" if per_rollout else suffix,
                                json.dumps(body).encode()))
+    # The upstream refused it, and the attempt is kept as a failed call (before, a field the store
+    # could not bind, such as a model that is a list, cost the record).
+    assert served.calls() == before + 1
 
 
 @fuzz(60)
