@@ -407,7 +407,7 @@ def streamed_token_ids() -> list[int]:
 
 @fuzz(40)
 @given(logprobs=broken_logprobs, stream=st.booleans())
-@example(logprobs="x", stream=True)  # found: a stream kept the other chunks' logprobs, paired with the wrong tokens
+@example(logprobs="x", stream=True)  # found: the record was lost (an AttributeError on the writer thread)
 def test_malformed_logprobs_cost_the_call_only_its_logprobs(store: TraceStore, logprobs: Any, stream: bool) -> None:
     tried("wrap: malformed logprobs blocks")
     scripted = Scripted(200, SSE_CT if stream else JSON_CT, (with_logprobs(stream, logprobs),))
