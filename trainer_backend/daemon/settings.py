@@ -120,6 +120,10 @@ class LoraSettings(_Section):
     alpha: int = Field(16, ge=1)
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     name: str = "policy"  # the adapter's served model name: what the agents call (serve with --max-lora-rank)
+    # Separate policies per agent: one adapter per name (its served model name), all on one base;
+    # each trains on the rows of calls served under its name (wrap(policies=...), gateway --policy).
+    policies: tuple[str, ...] = ()
+    default_policy: str | None = None  # trains rows of every other model (None: they are left out)
 
 
 class EngineSettings(_Section):
@@ -174,6 +178,10 @@ class TrainerSettings(_Section):
         if self.run.engine == "verl" and (self.algorithm.name in ("ppo", "dpo") or self.loss.kl_in == "reward"):
             raise ValueError(f"the verl engine runs the policy-gradient algorithms with the KL in the loss; "
                              f"algorithm {self.algorithm.name!r} / loss.kl_in {self.loss.kl_in!r} need engine 'torch'")
+        if self.lora.policies and not self.lora.rank:
+            raise ValueError("lora.policies: separate policies are LoRA adapters; set lora.rank")
+        if self.lora.default_policy and self.lora.default_policy not in self.lora.policies:
+            raise ValueError(f"lora.default_policy {self.lora.default_policy!r} is not one of lora.policies")
         if self.run.engine == "verl" and self.lora.rank:
             raise ValueError("lora.rank: LoRA runs on the torch engine (the verl engine trains every weight)")
         if self.optim.lr_schedule != "constant" and self.optim.total_steps is None and self.run.max_steps is None:
