@@ -143,6 +143,15 @@ class LLMCall:
 
 @dataclass(frozen=True)
 class Reward:
+    """One reward event of a rollout.
+
+    `final` ones set the rollout's `final_reward` (the number the trainer trains on) while no
+    trainer has claimed or consumed the rollout. `call_index` ties a per-step reward to one call
+    (turn) of the rollout; such a reward is never final. `config_hash` names the reward
+    configuration a component or combined reward was computed under (`lightning_middleware.rewards`);
+    None for a reward reported as it is.
+    """
+
     rollout_id: str
     value: float
     name: str | None = None
@@ -150,6 +159,12 @@ class Reward:
     created_at: float = 0.0
     metadata: dict[str, Any] = field(default_factory=dict)
     id: int | None = None
+    call_index: int | None = None
+    config_hash: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.call_index is not None and self.final:
+            raise ValueError("a per-step reward (call_index set) cannot be final: pass final=False")
 
 
 @dataclass(frozen=True)

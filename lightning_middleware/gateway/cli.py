@@ -36,6 +36,8 @@ def add_cli(sub: Any) -> None:
                    help="an identical body resent within a rollout this soon after success is answered from it")
     p.add_argument("--policy-version", type=int, default=None, help="policy version served at start")
     p.add_argument("--no-record-unattached", action="store_true", help="don't record calls outside rollouts")
+    p.add_argument("--rewards", default=None, metavar="FILE",
+                   help="a reward configuration (TOML/JSON) each rollout is scored under as it finishes")
     p.set_defaults(func=run_cli)
 
 
@@ -52,7 +54,8 @@ def run_cli(args: argparse.Namespace) -> int:
                      max_body_bytes=int(args.max_body_mb * 1024 * 1024), pause_mode=args.pause_mode,
                      pause_wait_s=args.pause_wait, upstream_timeout_s=args.upstream_timeout,
                      health_interval_s=args.health_interval, retry_window_s=args.retry_window,
-                     policy_version=args.policy_version, record_unattached=not args.no_record_unattached)
+                     policy_version=args.policy_version, record_unattached=not args.no_record_unattached,
+                     rewards=args.rewards)
     except (GatewayConfigError, ValueError) as exc:
         log.error("%s", exc)
         return 2
