@@ -23,6 +23,7 @@ from lightning_middleware.rewards.config import (
     load_config,
 )
 from lightning_middleware.rewards.guards import BUILTIN_GUARDS
+from lightning_middleware.rewards.protect import ProtectedFiles
 from lightning_middleware.rewards.rescore import RescoreReport, calibration, rescore
 from lightning_middleware.rewards.rules import BUILTIN_RULES, Score
 from lightning_middleware.rewards.sources import Calibration, RewardModelError, wants_label
@@ -37,6 +38,7 @@ __all__ = [
     "ComponentValue",
     "ConfigError",
     "HumanConfig",
+    "ProtectedFiles",
     "RescoreReport",
     "RewardConfig",
     "RewardModelConfig",

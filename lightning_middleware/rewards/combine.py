@@ -52,6 +52,7 @@ class Scored:
     config_hash: str
     components: tuple[ComponentValue, ...]
     final: float | None  # None: dropped (a component failed and on_error is "drop")
+    zeroed_by: tuple[str, ...] = ()  # the guards with action "zero" that fired (final is then 0.0)
 
     @property
     def values(self) -> dict[str, float]:
@@ -83,6 +84,7 @@ class Scorer:
         builtins: dict[str, Mapping[str, Rule]] = {"rule": BUILTIN_RULES, "guard": BUILTIN_GUARDS}
         self._functions = {c.name: resolve(c, builtins[c.kind]) for c in config.components}
         self._scorer = local_scorer(config.reward_model) if config.reward_model else None
+        self._zeroing = {c.name for c in config.guards if c.action == "zero"}
 
     # -- computing -----------------------------------------------------------------
     def _run(self, c: Component, t: Trajectory) -> ComponentValue:
@@ -123,7 +125,10 @@ class Scorer:
         failed = any(p.error for p in parts)
         final = None if failed and self.config.on_error == "drop" else sum(
             p.weight * p.value for p in parts if p.value is not None)
-        return Scored(t.rollout.id, self.hash, tuple(parts), final)
+        zeroed = tuple(p.name for p in parts if p.name in self._zeroing and (p.value or 0.0) > 0)
+        if zeroed and final is not None:
+            final = 0.0
+        return Scored(t.rollout.id, self.hash, tuple(parts), final, zeroed)
 
     # -- storing -------------------------------------------------------------------
     def records(self, scored: Scored, previous: Sequence[Reward], *, final: bool,
@@ -149,7 +154,8 @@ class Scorer:
             if out or last is None or last.value != scored.final or (final and outdated):
                 out.append(Reward(rid, scored.final, name=FINAL, final=final, created_at=now, config_hash=h,
                                   metadata={"components": scored.values, "weights": self.config.weights,
-                                            "absent": [p.name for p in scored.components if p.value is None]}))
+                                            "absent": [p.name for p in scored.components if p.value is None],
+                                            **({"zeroed_by": list(scored.zeroed_by)} if scored.zeroed_by else {})}))
         return out
 
     def score_rollout(self, store: TraceStore, rollout_id: str, *, status: RolloutStatus | str | None = None,

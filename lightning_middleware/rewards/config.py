@@ -12,6 +12,7 @@
     min_passed = 1
     [guards]
     repeated_tool_calls = { weight = -1.0, max_repeats = 2 }
+    tests_bypassed = { weight = -1.0, action = "zero" }   # fired: the final reward is 0.0
     [reward_model]
     weight = 2.0
     url = "http://127.0.0.1:8001/v1"
@@ -45,6 +46,7 @@ else:  # a declared dependency on 3.10
 REWARD_TYPES = ("rule", "model", "hybrid")
 AGENT = "agent"  # the name a configured rollout's own reported reward is stored under
 ON_ERROR = ("drop", "partial")
+GUARD_ACTIONS = ("penalise", "zero")
 _TOP_KEYS = {"reward_type", "on_error", "rules", "guards", "reward_model", "human", "name"}
 _MODEL_KEYS = {"weight", "url", "model", "scorer", "prompt", "max_score", "scale", "offset", "timeout_s", "retries",
                "api_key_env", "max_chars"}
@@ -65,10 +67,20 @@ class Component:
     function: str | Callable[..., Any]
     params: Mapping[str, Any] = field(default_factory=dict)
     kind: str = "rule"  # rule | guard
+    # A guard's effect when it fires (value > 0): "penalise" adds weight x value like any
+    # component; "zero" makes the rollout's final reward 0.0 whatever the other components say.
+    action: str = "penalise"
+
+    def __post_init__(self) -> None:
+        if self.action not in GUARD_ACTIONS:
+            raise ConfigError(f"{self.kind}s.{self.name}.action must be one of {', '.join(GUARD_ACTIONS)}, "
+                              f"got {self.action!r}")
+        if self.kind != "guard" and self.action != "penalise":
+            raise ConfigError(f"rules.{self.name}: only a guard takes an action")
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "weight": self.weight, "function": function_name(self.function),
-                "params": dict(sorted(self.params.items())), "kind": self.kind}
+                "params": dict(sorted(self.params.items())), "kind": self.kind, "action": self.action}
 
 
 @dataclass(frozen=True)
@@ -172,14 +184,15 @@ def _component(name: str, spec: Any, kind: str) -> Component:
         return Component(name, _number(spec, where), name, {}, kind)
     if "weight" not in spec:
         raise ConfigError(f"{where} needs a weight")
-    params = {k: v for k, v in spec.items() if k not in ("weight", "function", "params")}
+    params = {k: v for k, v in spec.items() if k not in ("weight", "function", "params", "action")}
     extra = spec.get("params", {})
     if not isinstance(extra, Mapping):
         raise ConfigError(f"{where}.params must be a table")
     function = spec.get("function", name)
     if not (isinstance(function, str) or callable(function)):
         raise ConfigError(f"{where}.function must be a built-in's name or 'package.module:function'")
-    return Component(name, _number(spec["weight"], f"{where}.weight"), function, {**params, **extra}, kind)
+    return Component(name, _number(spec["weight"], f"{where}.weight"), function, {**params, **extra}, kind,
+                     str(spec.get("action", "penalise")))
 
 
 def _components(data: Any, kind: str) -> tuple[Component, ...]:

@@ -20,6 +20,7 @@ from lightning_middleware.rows import counted_attempts
 from lightning_middleware.store import TraceStore
 
 HUMAN = "human"  # the name human labels are stored under
+PROTECTED = "protected_files"  # the name `protect.ProtectedFiles` reports changed files under
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class Trajectory:
         the last of each name; an unnamed one as "agent"."""
         out: dict[str, float] = {}
         for r in self.rewards:
-            if r.config_hash is None and r.call_index is None and r.name != HUMAN:
+            if r.config_hash is None and r.call_index is None and r.name not in (HUMAN, PROTECTED):
                 out[r.name or AGENT] = r.value
         return out
 

@@ -67,6 +67,8 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--dpo-beta": ("dpo.beta", float, "dpo: beta (default 0.1)"),
     "--entropy-coef": ("loss.entropy_coef", float, "entropy bonus"),
     "--tis-threshold": ("loss.tis_threshold", float, "truncated importance sampling for stale rollouts (e.g. 2)"),
+    "--reward-version": ("rewards.version", str, "train on the final reward of this reward configuration's hash "
+                                                 "(lightning-mw rewards check/rescore print it)"),
     "--precision": ("engine.precision", str, "auto (bf16 where native and faster, else fp32) | fp32 | bf16 | "
                                              "bf16-autocast"),
     "--micro-batch-tokens": ("engine.micro_batch_tokens", int, "padded tokens per micro-batch"),
