@@ -115,10 +115,18 @@ def _checked_value(value: Any) -> float:
     return float(value)
 
 
+def _checked_agent(agent: Any) -> str | None:
+    if agent is not None and (not isinstance(agent, str) or not agent.strip() or len(agent) > 128):
+        raise ValueError(f"agent must be an agent's name (a non-empty string of at most 128 characters), got {agent!r}")
+    return agent
+
+
 def record_reward(state: RolloutState, value: Any, *, name: str | None = None, final: bool | None = None,
-                  metadata: dict[str, Any] | None = None, call_index: int | None = None) -> None:
+                  metadata: dict[str, Any] | None = None, call_index: int | None = None,
+                  agent: str | None = None) -> None:
     """`RolloutHandle.reward` for any holder of a rollout's state (see there)."""
     value = _checked_value(value)
+    agent = _checked_agent(agent)
     if call_index is not None and (isinstance(call_index, bool) or not isinstance(call_index, int)
                                    or call_index < 0):
         raise ValueError(f"call_index must be a call's index (an int >= 0), got {call_index!r}")
@@ -128,11 +136,11 @@ def record_reward(state: RolloutState, value: Any, *, name: str | None = None, f
     if state.ended:
         meta["late"] = True
     final = call_index is None if final is None else final
-    if state.scorer is not None and call_index is None:
+    if state.scorer is not None and call_index is None and agent is None:
         name, final = name or AGENT, False  # an input of the configured components
     reward = Reward(rollout_id=state.id, value=value, name=name, final=final, created_at=time.time(),
-                    metadata=meta, call_index=call_index)
-    if not state.ended or state.scorer is None:
+                    metadata=meta, call_index=call_index, agent=agent)
+    if not state.ended or state.scorer is None or agent is not None:  # a per-agent reward is no component
         state.store.submit_reward(reward)  # late: the store's rule decides whether it moves final_reward
     else:
         state.store.add_reward(reward)
@@ -176,15 +184,19 @@ class RolloutHandle:
         return self._state.last_call_index
 
     def reward(self, value: float, *, name: str | None = None, final: bool | None = None,
-               metadata: dict[str, Any] | None = None, call_index: int | None = None) -> None:
+               metadata: dict[str, Any] | None = None, call_index: int | None = None,
+               agent: str | None = None) -> None:
         """Record a reward; a final one (the default) becomes the rollout's training reward.
 
         `call_index` ties it to one call (a per-step reward, never final). With a reward
         configuration (`rollout(..., rewards=...)`) the agent's reward is one input of the
         configured components (stored as "agent" unless named) and the combination is final.
         A reward after the rollout ended is kept, marked `late` (docs/rewards.md has the rule).
+        `agent` rewards one agent of a multi-agent rollout (`TraceStore.agent_rewards`); it never
+        moves the rollout's final reward, nor is it a configured component.
         """
-        record_reward(self._state, value, name=name, final=final, metadata=metadata, call_index=call_index)
+        record_reward(self._state, value, name=name, final=final, metadata=metadata, call_index=call_index,
+                      agent=agent)
 
     def __repr__(self) -> str:
         return f"RolloutHandle(id={self.id!r}, task_id={self.task_id!r})"
@@ -307,12 +319,13 @@ def rollout(task_id: str, *, input: Any = None, mode: str = "train", metadata: d
 
 
 def emit_reward(value: float, *, name: str | None = None, final: bool | None = None,
-                metadata: dict[str, Any] | None = None, call_index: int | None = None) -> None:
+                metadata: dict[str, Any] | None = None, call_index: int | None = None,
+                agent: str | None = None) -> None:
     """Reward the current rollout from anywhere inside it (arguments: `RolloutHandle.reward`)."""
     state = _current.get()
     if state is None:
         raise RuntimeError("emit_reward() called outside a rollout: wrap the agent run in `with rollout(...)`")
-    record_reward(state, value, name=name, final=final, metadata=metadata, call_index=call_index)
+    record_reward(state, value, name=name, final=final, metadata=metadata, call_index=call_index, agent=agent)
 
 
 class agent_scope:

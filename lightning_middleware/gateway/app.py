@@ -90,7 +90,8 @@ def build_routes(gw: Gateway) -> Starlette:
     async def reward(request: Request) -> Any:
         r, applied = await gw.rollouts.add_reward(request.path_params["rid"], await json_body(request))
         return JSONResponse({"rollout_id": r.rollout_id, "value": r.value, "name": r.name, "final": r.final,
-                             "call_index": r.call_index, "late": bool(r.metadata.get("late")), "applied": applied})
+                             "call_index": r.call_index, "agent": r.agent, "late": bool(r.metadata.get("late")),
+                             "applied": applied})
 
     async def finish(request: Request) -> Any:
         done = await gw.rollouts.finish(request.path_params["rid"], await json_body(request, optional=True),

@@ -122,7 +122,7 @@ class RolloutRegistry:
         entry = await self.entry(rollout_id, for_call=False)
         reward = reward_from(rollout_id, body, scorer=self.scorer, late=entry.finished)
         applied = await asyncio.to_thread(self.store.add_reward, reward)
-        if entry.finished and self.scorer is not None and reward.call_index is None:
+        if entry.finished and self.scorer is not None and reward.call_index is None and reward.agent is None:
             written = await asyncio.to_thread(self.scorer.score_rollout, self.store, rollout_id, reuse_model=True)
             applied = written.applied
         return reward, applied
@@ -170,7 +170,8 @@ class RolloutRegistry:
 
 def reward_from(rollout_id: str, body: dict[str, Any], *, scorer: Scorer | None = None, late: bool = False) -> Reward:
     """The reward a request body describes: `value`, optional `name`, `final`, `metadata`,
-    `call_index` (a per-step reward); with a reward configuration, an input of its components."""
+    `call_index` (a per-step reward), `agent` (one agent's reward: never the rollout's final
+    reward); with a reward configuration, an input of its components."""
     value = body.get("value", body.get("reward"))
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise HTTPError(400, f"reward value must be a finite number, got {value!r}", code="bad_reward")
@@ -183,11 +184,15 @@ def reward_from(rollout_id: str, body: dict[str, Any], *, scorer: Scorer | None 
                         code="bad_call_index")
     if call_index is not None and body.get("final"):
         raise HTTPError(400, "a per-step reward (call_index) cannot be final", code="bad_call_index")
+    agent = body.get("agent")
+    if agent is not None and (not isinstance(agent, str) or not agent.strip() or len(agent) > 128):
+        raise HTTPError(400, f"agent must be an agent's name (a string of 1 to 128 characters), got {agent!r}",
+                        code="bad_agent")
     name = str(body["name"]) if body.get("name") is not None else None
     final = call_index is None and bool(body.get("final", True))
-    if scorer is not None and call_index is None:
+    if scorer is not None and call_index is None and agent is None:
         name, final = name or AGENT, False
     if late:
         metadata = {**metadata, "late": True}
     return Reward(rollout_id=rollout_id, value=float(value), name=name, final=final, created_at=time.time(),
-                  metadata=metadata, call_index=call_index)
+                  metadata=metadata, call_index=call_index, agent=agent)

@@ -71,7 +71,7 @@ class Trajectory:
         the last of each name; an unnamed one as "agent"."""
         out: dict[str, float] = {}
         for r in self.rewards:
-            if r.config_hash is None and r.call_index is None and r.name not in (HUMAN, PROTECTED):
+            if r.config_hash is None and r.call_index is None and r.agent is None and r.name not in (HUMAN, PROTECTED):
                 out[r.name or AGENT] = r.value
         return out
 
@@ -81,7 +81,7 @@ class Trajectory:
         reported = self.reported
         if AGENT in reported:
             return reported[AGENT]
-        finals = [r.value for r in self.rewards if r.final and r.config_hash is None and r.name != HUMAN]
+        finals = [r.value for r in self.rewards if r.sets_final_reward and r.config_hash is None and r.name != HUMAN]
         return finals[-1] if finals else None
 
     @property
@@ -91,6 +91,11 @@ class Trajectory:
             if r.call_index is not None:
                 out[r.call_index] = out.get(r.call_index, 0.0) + r.value
         return out
+
+    @property
+    def agent_rewards(self) -> dict[str, float]:
+        """Agent name -> its latest final per-agent reward (multi-agent rollouts)."""
+        return {str(r.agent): r.value for r in self.rewards if r.agent is not None and r.final}
 
     @property
     def human_labels(self) -> tuple[Reward, ...]:

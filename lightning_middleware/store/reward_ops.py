@@ -37,7 +37,7 @@ class RewardOps:
         final reward under the rule above. Returns the rollouts whose final reward it set."""
         if not rewards:
             return set()
-        finals = {r.rollout_id: r.value for r in rewards if r.final}
+        finals = {r.rollout_id: r.value for r in rewards if r.sets_final_reward}
         with self.engine.begin() as conn:
             conn.execute(sa.insert(S.rewards), [M.reward_row(r) for r in rewards])
             return {rid for rid, value in finals.items() if set_final_reward(conn, rid, value, force=force_final)}
@@ -58,6 +58,21 @@ class RewardOps:
             for row in conn.execute(q):
                 reward = M.reward_record(row)
                 out[reward.rollout_id].append(reward)
+        return out
+
+    def agent_rewards(self, rollout_ids: Iterable[str]) -> dict[str, dict[str, float]]:
+        """Per rollout, agent name -> its latest final per-agent reward (rollouts without any: {}).
+        What a multi-policy trainer trains each agent's policy on."""
+        ids = list(dict.fromkeys(rollout_ids))
+        out: dict[str, dict[str, float]] = {rid: {} for rid in ids}
+        if not ids:
+            return out
+        t = S.rewards
+        q = (sa.select(t.c.rollout_id, t.c.agent, t.c.value)
+             .where(t.c.rollout_id.in_(ids), t.c.agent.is_not(None), t.c.final.is_(True)).order_by(t.c.id))
+        with self.engine.connect() as conn:
+            for rid, agent, value in conn.execute(q):
+                out[rid][agent] = float(value)  # ordered by id: the latest wins
         return out
 
     def step_rewards(self, rollout_ids: Iterable[str]) -> dict[str, dict[int, float]]:

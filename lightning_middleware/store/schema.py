@@ -22,7 +22,7 @@ SCHEMA_VERSION = 2
 # (table, column) added by each version after 1; the columns are nullable, so adding one to a
 # full table rewrites no row and older readers' queries (which name their columns) still work.
 ADDED_COLUMNS: dict[int, tuple[tuple[str, str], ...]] = {
-    2: (("rewards", "call_index"), ("rewards", "config_hash")),
+    2: (("rewards", "call_index"), ("rewards", "config_hash"), ("rewards", "agent")),
 }
 
 metadata = sa.MetaData()
@@ -86,9 +86,11 @@ rewards = sa.Table(
     sa.Column("metadata", sa.JSON, nullable=True),
     # Version 2: the call (turn) a per-step reward belongs to (NULL: the whole rollout), and the
     # hash of the reward configuration a component or combined final reward was computed under
-    # (NULL: reported as it is, by the agent or a person).
+    # (NULL: reported as it is, by the agent or a person); the agent of a multi-agent rollout a
+    # per-agent reward is for (NULL: the rollout as a whole).
     sa.Column("call_index", sa.Integer, nullable=True),
     sa.Column("config_hash", sa.String(64), nullable=True),
+    sa.Column("agent", sa.String(128), nullable=True),
 )
 
 policy_versions = sa.Table(

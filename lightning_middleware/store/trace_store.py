@@ -179,7 +179,7 @@ class TraceStore(StoreQueries, RewardOps, TrainerOps):
                 rollout_rows.append(M.rollout_row(item))
             elif kind == "reward":
                 reward_rows.append(M.reward_row(item))
-                if item.final:
+                if item.sets_final_reward:
                     updates.append((item.rollout_id, {"final_reward": float(item.value)}))
             elif kind == "rollout_end":
                 updates.append((item["id"], {k: v for k, v in item.items() if k != "id"}))

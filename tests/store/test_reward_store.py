@@ -47,7 +47,7 @@ def test_a_version_1_store_is_upgraded_and_keeps_its_rows(store_url: str, opener
     assert "call_index" not in _columns(store_url)
     store = TraceStore(store_url) if opener == "writer" else open_store(store_url)
     try:
-        assert {"call_index", "config_hash"} <= _columns(store_url)
+        assert {"call_index", "config_hash", "agent"} <= _columns(store_url)
         with store.engine.connect() as conn:
             assert conn.execute(sa.select(S.schema_info.c.value)).scalar() == str(S.SCHEMA_VERSION)
         [old] = store.rewards("old")
