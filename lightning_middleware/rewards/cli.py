@@ -103,8 +103,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     finally:
         store.close()
     corr = "n/a" if cal.correlation is None else f"{cal.correlation:.3f}"
+    rank = "n/a" if cal.rank_correlation is None else f"{cal.rank_correlation:.3f}"
     print(f"{cal.n} rollouts with both: bias (model - human) {cal.bias:+.4f}, human ~ {cal.slope:.4f} x model "
-          f"{cal.intercept:+.4f}, correlation {corr}")
+          f"{cal.intercept:+.4f}, correlation {corr}, rank correlation (agreement) {rank}")
     if scorer is not None and scorer.config.reward_model is not None:
         print("[reward_model] values that match the labels:\n" + cal.advice(scorer.config.reward_model))
     return 0

@@ -4,13 +4,14 @@ each label is stored as a reward named "human" (docs/rewards.md, "Human feedback
     lightning-mw rewards label --store URL [--config rewards.toml] [--port 8095]
 
 Routes: `GET /` (the page), `GET /api/next` (the next rollout to score), `GET /api/pair` (two
-rollouts of one task to compare), `GET /api/rollouts/{id}`, `POST /api/score`
-`{"rollout_id", "score": 0..1, "labeler", "note"}`, `POST /api/compare` `{"a", "b",
+rollouts of one task to compare), `GET /api/rollouts/{id}`, `POST /api/rollouts/{id}/score`
+`{"score": 0..1, "labeler", "note"}`, `POST /api/compare` `{"a", "b",
 "winner": "a" | "b" | "tie", "labeler", "note"}`, `GET /api/stats`. With a configuration, the
 rollouts its human `interval` picks come first, and each label combines the rollout's final
 reward again (`Scorer.score_rollout`, the reward model not asked again). Without a token only
 loopback clients are served; with one, the API needs `Authorization: Bearer <token>` (the page
-reads it from its address: `http://host:port/#token=...`).
+reads it from its address: `http://host:port/#token=...`). The gateway serves the same routes
+under `/review` (its reward configuration, its token: `http://gateway/review#token=...`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import asyncio
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning_middleware.gateway.auth import check_bearer, check_client
@@ -27,7 +28,7 @@ from lightning_middleware.gateway.errors import HTTPError, error_reply
 from lightning_middleware.records import Reward, Rollout
 from lightning_middleware.rewards.combine import Scorer
 from lightning_middleware.rewards.page import PAGE
-from lightning_middleware.rewards.rescore import ENDED
+from lightning_middleware.rewards.rescore import ENDED, calibration
 from lightning_middleware.rewards.sources import wants_label
 from lightning_middleware.rewards.trajectory import HUMAN, Trajectory, load_trajectory
 from lightning_middleware.store import TraceStore
@@ -165,23 +166,30 @@ class Labelling:
         queued = [r for r in ended if wants_label(r.id, self.interval)]
         return {"rollouts": len(ended), "labelled": len(labelled), "queued": len(queued),
                 "queued_left": sum(r.id not in labelled for r in queued), "interval": self.interval,
-                "config_hash": self.scorer.hash if self.scorer is not None else None}
+                "config_hash": self.scorer.hash if self.scorer is not None else None,
+                "agreement": self._agreement()}
+
+    def _agreement(self) -> dict[str, Any] | None:
+        """The reward model against the labels so far (None below 2 rollouts with both)."""
+        try:
+            cal = calibration(self.store, config_hash=self.scorer.hash if self.scorer is not None else None)
+        except ValueError:
+            return None
+        return {"n": cal.n, "rank_correlation": cal.rank_correlation, "correlation": cal.correlation,
+                "bias": cal.bias}
 
 
-def build_app(store: TraceStore, *, scorer: Scorer | None = None, token: str | None = None) -> Starlette:
-    """The labelling page and its API as a Starlette app (serve it with uvicorn)."""
-    from starlette.applications import Starlette
+def review_routes(labels: Labelling, check: Callable[[Any], None], prefix: str = "") -> list[Any]:
+    """The page (at `prefix`, or "/") and its API (under `prefix`/api) as Starlette routes;
+    `check(request)` raises `HTTPError` for a request the API must refuse (the token rule)."""
     from starlette.requests import Request
     from starlette.responses import HTMLResponse, JSONResponse
     from starlette.routing import Route
 
-    labels = Labelling(store, scorer)
-
     def api(fn: Any) -> Any:
         async def handler(request: Request) -> Any:
             try:
-                check_client(token, request.scope.get("client"))
-                check_bearer(token, request.headers.get("authorization", ""))
+                check(request)
                 return JSONResponse(await fn(request))
             except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
                 return error_reply(exc, request.method, request.url.path)
@@ -199,12 +207,8 @@ def build_app(store: TraceStore, *, scorer: Scorer | None = None, token: str | N
     def skip(request: Request) -> set[str]:
         return {s for s in request.query_params.get("skip", "").split(",") if s}
 
-    async def page(request: Request) -> Any:
-        try:
-            check_client(token, request.scope.get("client"))  # the page holds no data: the API checks the token
-        except HTTPError as exc:
-            return exc.reply()
-        return HTMLResponse(PAGE)
+    async def page(_request: Request) -> Any:
+        return HTMLResponse(PAGE)  # no data in it: the API it calls checks the token
 
     async def next_one(request: Request) -> Any:
         return {"rollout": await asyncio.to_thread(labels.next, skip(request))}
@@ -216,7 +220,7 @@ def build_app(store: TraceStore, *, scorer: Scorer | None = None, token: str | N
         return {"rollout": await asyncio.to_thread(labels.view, request.path_params["rid"])}
 
     async def score(request: Request) -> Any:
-        return await asyncio.to_thread(labels.score, await body(request))
+        return await asyncio.to_thread(labels.score, {**await body(request), "rollout_id": request.path_params["rid"]})
 
     async def compare(request: Request) -> Any:
         return await asyncio.to_thread(labels.compare, await body(request))
@@ -224,12 +228,24 @@ def build_app(store: TraceStore, *, scorer: Scorer | None = None, token: str | N
     async def stats(_request: Request) -> Any:
         return await asyncio.to_thread(labels.stats)
 
-    return Starlette(routes=[
-        Route("/", page, methods=["GET"]),
-        Route("/api/next", api(next_one), methods=["GET"]),
-        Route("/api/pair", api(pair), methods=["GET"]),
-        Route("/api/rollouts/{rid}", api(one), methods=["GET"]),
-        Route("/api/score", api(score), methods=["POST"]),
-        Route("/api/compare", api(compare), methods=["POST"]),
-        Route("/api/stats", api(stats), methods=["GET"]),
-    ])
+    return [
+        Route(prefix or "/", page, methods=["GET"]),
+        Route(f"{prefix}/api/next", api(next_one), methods=["GET"]),
+        Route(f"{prefix}/api/pair", api(pair), methods=["GET"]),
+        Route(f"{prefix}/api/rollouts/{{rid}}", api(one), methods=["GET"]),
+        Route(f"{prefix}/api/rollouts/{{rid}}/score", api(score), methods=["POST"]),
+        Route(f"{prefix}/api/compare", api(compare), methods=["POST"]),
+        Route(f"{prefix}/api/stats", api(stats), methods=["GET"]),
+    ]
+
+
+def build_app(store: TraceStore, *, scorer: Scorer | None = None, token: str | None = None) -> Starlette:
+    """The labelling page and its API as a Starlette app of its own (`lightning-mw rewards
+    label`; the gateway serves the same routes under /review)."""
+    from starlette.applications import Starlette
+
+    def check(request: Any) -> None:
+        check_client(token, request.scope.get("client"))
+        check_bearer(token, request.headers.get("authorization", ""))
+
+    return Starlette(routes=review_routes(Labelling(store, scorer), check))

@@ -61,13 +61,14 @@ PAGE = """<!doctype html>
 <script>
 "use strict";
 const token = new URLSearchParams(location.hash.slice(1)).get("token");
+const base = location.pathname.replace(/[/]+$/, "");  // "" standalone, "/review" on the gateway
 const state = { mode: "score", shown: [], score: null, skipped: [] };
 const $ = (id) => document.getElementById(id);
 
 async function api(path, body) {
   const headers = { "content-type": "application/json" };
   if (token) headers.authorization = "Bearer " + token;
-  const resp = await fetch(path, body === undefined ? { headers } :
+  const resp = await fetch(base + path, body === undefined ? { headers } :
                            { method: "POST", headers, body: JSON.stringify(body) });
   const data = await resp.json();
   if (!resp.ok) throw new Error((data.error && data.error.message) || resp.statusText);
@@ -122,7 +123,9 @@ function status(text, error) {
 async function refreshStats() {
   const s = await api("/api/stats");
   $("stats").textContent = s.labelled + " of " + s.rollouts + " labelled" +
-    (s.interval ? " - queue " + s.queued_left + " left" : "");
+    (s.interval ? " - queue " + s.queued_left + " left" : "") +
+    (s.agreement && s.agreement.rank_correlation !== null
+      ? " - model vs human rank correlation " + s.agreement.rank_correlation.toFixed(2) : "");
 }
 
 async function load() {
@@ -177,8 +180,8 @@ for (let i = 0; i <= 10; i++) {
 $("save").addEventListener("click", () => {
   if (!state.shown.length) return;
   if (state.score === null) { status("choose a score first", true); return; }
-  save({ rollout_id: state.shown[0].id, score: state.score, labeler: $("labeler").value, note: $("note").value },
-       "/api/score").then(() => { $("note").value = ""; });
+  save({ score: state.score, labeler: $("labeler").value, note: $("note").value },
+       "/api/rollouts/" + encodeURIComponent(state.shown[0].id) + "/score").then(() => { $("note").value = ""; });
 });
 $("skip").addEventListener("click", () => {
   if (state.shown.length) state.skipped.push(state.shown[0].id);

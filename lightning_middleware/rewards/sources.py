@@ -135,13 +135,15 @@ def wants_label(rollout_id: str, interval: int) -> bool:
 @dataclass(frozen=True)
 class Calibration:
     """The reward model against human labels over `n` rollouts that have both:
-    human ~ slope * model + intercept; bias = mean(model - human)."""
+    human ~ slope * model + intercept; bias = mean(model - human); the agreement is the rank
+    (Spearman) correlation: does the model order rollouts as people do."""
 
     n: int
     bias: float
     slope: float
     intercept: float
     correlation: float | None
+    rank_correlation: float | None = None
 
     def advice(self, cfg: RewardModelConfig) -> str:
         """The [reward_model] scale / offset that map the current values onto the labels."""
@@ -161,4 +163,26 @@ def calibrate(pairs: Sequence[tuple[float, float]]) -> Calibration:
     sxy = sum((x - mx) * (y - my) for x, y in pairs)
     slope = sxy / sxx if sxx else 1.0
     corr = sxy / math.sqrt(sxx * syy) if sxx and syy else None
-    return Calibration(len(pairs), mx - my, slope, my - slope * mx, corr)
+    return Calibration(len(pairs), mx - my, slope, my - slope * mx, corr, _pearson(_ranks(xs), _ranks(ys)))
+
+
+def _ranks(values: Sequence[float]) -> list[float]:
+    """1-based ranks, ties sharing their mean rank (what Spearman's correlation ranks by)."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def _pearson(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    try:
+        return statistics.correlation(xs, ys)
+    except statistics.StatisticsError:  # constant input: no ordering to agree on
+        return None

@@ -17,8 +17,8 @@ CONFIG = {"rules": {"task_complete": 5.0, "tool_call_valid": 1.0, "step_reward_s
           "guards": {"repeated_tool_calls": {"weight": -1.0, "max_repeats": 1}}}
 
 
-def _turns(base_url: str) -> None:
-    client = openai.OpenAI(base_url=base_url, api_key="unused")
+def _turns(base_url: str, token: str = "unused") -> None:
+    client = openai.OpenAI(base_url=base_url, api_key=token)  # the gateway's token, when it has one
     messages = [{"role": "user", "content": "add 2 and 2"}]
     first = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
     call = first.choices[0].message.tool_calls[0]

@@ -92,14 +92,14 @@ def test_the_api_refuses_bad_labels_and_loses_nothing(labelled_store: TraceStore
             resp = httpx.post(url + path, json=body, headers=auth)
             assert resp.status_code == status and resp.json()["error"]["code"] == code, resp.text
 
-        err("/api/score", {"rollout_id": rid, "score": 7}, 400, "bad_score")
-        err("/api/score", {"rollout_id": rid, "score": True}, 400, "bad_score")
-        err("/api/score", {"rollout_id": "nope", "score": 0.5}, 404, "rollout_not_found")
-        err("/api/score", {"rollout_id": rid, "score": 0.5, "note": "x" * 5000}, 400, "bad_note")
+        err(f"/api/rollouts/{rid}/score", {"score": 7}, 400, "bad_score")
+        err(f"/api/rollouts/{rid}/score", {"score": True}, 400, "bad_score")
+        err("/api/rollouts/nope/score", {"score": 0.5}, 404, "rollout_not_found")
+        err(f"/api/rollouts/{rid}/score", {"score": 0.5, "note": "x" * 5000}, 400, "bad_note")
         err("/api/compare", {"a": rid, "b": rid, "winner": "a"}, 400, "bad_pair")
         other = store.query_rollouts()[1].id
         err("/api/compare", {"a": rid, "b": other, "winner": "both"}, 400, "bad_winner")
-        bad_json = httpx.post(url + "/api/score", content=b"{nope", headers=auth)
+        bad_json = httpx.post(url + f"/api/rollouts/{rid}/score", content=b"{nope", headers=auth)
         assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
         assert all(_human(store, r.id) == [] for r in store.query_rollouts())
         ok = httpx.post(url + "/api/compare", json={"a": rid, "b": other, "winner": "tie"}, headers=auth).json()
