@@ -48,8 +48,8 @@ AGENT = "agent"  # the name a configured rollout's own reported reward is stored
 ON_ERROR = ("drop", "partial")
 GUARD_ACTIONS = ("penalise", "zero")
 _TOP_KEYS = {"reward_type", "on_error", "rules", "guards", "reward_model", "human", "name"}
-_MODEL_KEYS = {"weight", "url", "model", "scorer", "prompt", "max_score", "scale", "offset", "timeout_s", "retries",
-               "api_key_env", "max_chars"}
+_MODEL_KEYS = {"weight", "url", "model", "scorer", "path", "prompt", "max_score", "scale", "offset", "timeout_s",
+               "retries", "api_key_env", "max_chars"}
 _HUMAN_KEYS = {"weight", "interval"}
 
 
@@ -85,13 +85,15 @@ class Component:
 
 @dataclass(frozen=True)
 class RewardModelConfig:
-    """A reward model: an OpenAI-compatible judge (`url`, `model`) or a local `scorer`
+    """A reward model: an OpenAI-compatible judge (`url`, `model`), a local Hugging Face
+    sequence-classification model run in-process with transformers (`path`), or a `scorer`
     ("package.module:function" or a function of the trajectory returning a number)."""
 
     weight: float = 1.0
     url: str | None = None
     model: str | None = None
     scorer: str | Callable[..., Any] | None = None
+    path: str | None = None  # a local Hugging Face sequence-classification model, run in-process
     prompt: str | None = None  # None: sources.DEFAULT_JUDGE_PROMPT
     max_score: float = 10.0  # the judge's scale: its score / max_score is the value, in [0, 1]
     scale: float = 1.0  # value * scale + offset: a calibration against human labels
@@ -218,8 +220,9 @@ def _model(data: Any) -> RewardModelConfig | None:
         if key in kw:
             kw[key] = _number(kw[key], f"reward_model.{key}")
     cfg = RewardModelConfig(**kw)
-    if (cfg.url is None) == (cfg.scorer is None):
-        raise ConfigError("[reward_model] needs exactly one of url (an OpenAI-compatible judge) or scorer")
+    if sum(x is not None for x in (cfg.url, cfg.scorer, cfg.path)) != 1:
+        raise ConfigError("[reward_model] needs exactly one of url (an OpenAI-compatible judge), path (a local "
+                          "sequence-classification model) or scorer (a function)")
     if cfg.url is not None and not cfg.model:
         raise ConfigError("[reward_model] with a url needs the judge's model name (model = ...)")
     if cfg.max_score <= 0:

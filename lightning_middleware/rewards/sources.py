@@ -18,6 +18,7 @@ import math
 import os
 import re
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -112,9 +113,40 @@ def model_score(t: Trajectory, cfg: RewardModelConfig, scorer: Callable[..., Any
 
 
 def local_scorer(cfg: RewardModelConfig) -> Callable[..., Any] | None:
+    if cfg.path is not None:
+        return ClassifierScorer(cfg.path, cfg.max_chars)
     if cfg.scorer is None:
         return None
     return cfg.scorer if callable(cfg.scorer) else import_function(cfg.scorer, "reward_model.scorer")
+
+
+class ClassifierScorer:
+    """A sequence-classification reward model run in-process (transformers, on the CPU unless
+    torch sees a GPU), loaded once per configuration. The value is the model's logit for a
+    one-label head, else the probability of its last label ("good")."""
+
+    def __init__(self, path: str, max_chars: int) -> None:
+        try:
+            import torch
+            from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        except ImportError as exc:
+            raise RewardModelError(f"reward_model.path needs torch and transformers installed: {exc}") from exc
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+        except (OSError, ValueError) as exc:
+            raise RewardModelError(f"reward_model.path {path!r} is not a sequence-classification model: {exc}") from exc
+        self.torch = torch
+        self.max_chars = max_chars
+        self._lock = threading.Lock()  # one forward at a time: rollouts may end on several threads
+
+    def __call__(self, t: Trajectory) -> Score:
+        text = render_for_judge(t, self.max_chars)
+        with self._lock, self.torch.no_grad():
+            enc = self.tokenizer(text, return_tensors="pt", truncation=True)
+            logits = self.model(**enc).logits[0].float()
+        value = float(logits[0]) if logits.numel() == 1 else float(self.torch.softmax(logits, -1)[-1])
+        return Score(value, {"logits": [round(float(x), 6) for x in logits]})
 
 
 def human_score(t: Trajectory) -> Score | None:
