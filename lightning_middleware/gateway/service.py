@@ -39,7 +39,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_middleware import fastjson
@@ -91,6 +91,8 @@ class Gateway:
         max_cached_responses: int = 1024,
         record_unattached: bool = True,
         policy_version: int | None = None,
+        policies: Mapping[str, str] | None = None,
+        default_policy: str | None = None,
         rewards: RewardConfig | Scorer | str | None = None,
     ) -> None:
         """`rewards`: a reward configuration (or its TOML/JSON file) every rollout is scored under
@@ -131,7 +133,8 @@ class Gateway:
         self.policy_version = policy_version
         self.forwarder = Forwarder(self.pool, self.store, upstream_api_key=upstream_api_key, token=token,
                                    connect_timeout_s=connect_timeout_s, upstream_timeout_s=upstream_timeout_s,
-                                   record_unattached=record_unattached)
+                                   record_unattached=record_unattached, policies=dict(policies or {}),
+                                   default_policy=default_policy)
         self.calls = 0
         self._health_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
