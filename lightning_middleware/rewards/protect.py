@@ -70,17 +70,11 @@ class ProtectedFiles:
         after = self.snapshot()
         return sorted(k for k in self.before.keys() | after.keys() if self.before.get(k) != after.get(k))
 
-    def report(self, handle: _Rewardable | None = None) -> list[str]:
-        """Store the verdict on the rollout (`handle`: a `RolloutHandle`; None: the current
-        rollout via `emit_reward`) and return the changed files."""
+    def report(self, handle: _Rewardable) -> list[str]:
+        """Store the verdict on the rollout (`handle`: its `RolloutHandle`) and return the changed files."""
         changed = self.changed()
         if changed:
             log.warning("%d protected files changed during the episode: %s", len(changed), changed[:5])
         meta: dict[str, object] = {"changed": changed, "protected": len(self.before)}
-        if handle is None:
-            from lightning_middleware.capture import emit_reward
-
-            emit_reward(float(len(changed)), name=PROTECTED, final=False, metadata=meta)
-        else:
-            handle.reward(float(len(changed)), name=PROTECTED, final=False, metadata=meta)
+        handle.reward(float(len(changed)), name=PROTECTED, final=False, metadata=meta)
         return changed

@@ -17,7 +17,7 @@ CONFIG = {"rules": {"task_complete": 5.0, "tool_call_valid": 1.0, "step_reward_s
           "guards": {"repeated_tool_calls": {"weight": -1.0, "max_repeats": 1}}}
 
 
-def _turns(base_url: str, token: str = "unused") -> None:
+def gateway_turns(base_url: str, token: str = "unused") -> None:
     client = openai.OpenAI(base_url=base_url, api_key=token)  # the gateway's token, when it has one
     messages = [{"role": "user", "content": "add 2 and 2"}]
     first = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
@@ -31,7 +31,7 @@ def test_the_gateway_scores_rollouts_as_they_finish(llm_server: LLMTestServer, s
     cfg = RewardConfig.from_dict(CONFIG)
     with Gateway([llm_server.base_url], store, rewards=cfg, health_interval_s=0.5) as gw:
         ro = httpx.post(gw.url + "/rollouts", json={"id": "g-1", "task_id": "t"}).json()
-        _turns(ro["base_url"])
+        gateway_turns(ro["base_url"])
         step = httpx.post(gw.url + "/rollouts/g-1/reward", json={"value": 0.5, "call_index": 0}).json()
         assert step["call_index"] == 0 and step["final"] is False and step["late"] is False
         own = httpx.post(gw.url + "/rollouts/g-1/reward", json={"value": 1.0}).json()

@@ -53,7 +53,7 @@ def test_protected_files_changed_during_a_rollout_are_caught(store: TraceStore, 
         (repo / "tests" / "test_sort.py").write_text("def test_sort(): pass\n")  # guts the test
         (repo / "tests" / "test_other.py").unlink()
         (repo / "tests" / "test_new.py").write_text("\n")
-        assert hacker.report() == ["tests/test_new.py", "tests/test_other.py", "tests/test_sort.py"]
+        assert hacker.report(bad) == ["tests/test_new.py", "tests/test_other.py", "tests/test_sort.py"]
 
     got = {r.name: r for r in store.rewards(good.id) if r.config_hash == cfg.hash}
     assert got["protected_files"].value == 0.0 and got["final"].value == 1.0
