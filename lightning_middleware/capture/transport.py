@@ -116,6 +116,8 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
                 prepare(request, new_body)
             else:
                 strip_routing_headers(request)
+                if new_body is not None:  # unrecorded, but routed to its agent's policy
+                    set_body(request, new_body)
             return pending
         except Exception:
             log.exception("capture failed before sending; forwarding unrecorded")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from lightning_middleware.capture.calls import CaptureSettings
@@ -45,8 +46,14 @@ def http_clients_of(obj: Any) -> list[Any]:
 
 
 def wrap(client: T, *, store: TraceStore | str | None = None, record_unattached: bool | None = None,
-         inject_token_ids: bool = True) -> T:
+         inject_token_ids: bool = True, policies: Mapping[str, str] | None = None,
+         default_policy: str | None = None) -> T:
     """Record every LLM call `client` makes; returns the same object, instrumented in place.
+
+    `policies` maps agent names (`agent_scope`, or what the framework's adapter knows: AutoGen and
+    Agents SDK agent names, LangGraph nodes) to the served model name of each agent's own policy
+    (a LoRA adapter): a call of agent X is sent, and recorded, under X's policy whatever model
+    the code wrote; `default_policy` takes the calls of every other agent (None: as written).
 
     Wrapping twice is harmless (the second call only updates the settings you pass).
     The store is opened here, so a bad store URL fails now, not inside an LLM call.
@@ -68,6 +75,9 @@ def wrap(client: T, *, store: TraceStore | str | None = None, record_unattached:
                                previous.record_unattached if previous is not None else
                                _env_flag("LIGHTNING_RECORD_UNATTACHED", True)),
             inject_token_ids=inject_token_ids,
+            policies=dict(policies) if policies is not None else previous.policies if previous is not None else {},
+            default_policy=default_policy if default_policy is not None else
+            previous.default_policy if previous is not None else None,
         )
         if previous is not None:
             settings.no_inject_hosts = previous.no_inject_hosts

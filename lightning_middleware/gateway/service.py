@@ -39,7 +39,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_middleware import fastjson
@@ -54,6 +54,7 @@ from lightning_middleware.gateway.replay import Cached, Flight, ReplayCache, is_
 from lightning_middleware.gateway.requests import Receive, parse_object, receive_body
 from lightning_middleware.gateway.responses import Full, Scope, Send, StreamResponse, bind_socket
 from lightning_middleware.gateway.upstreams import Upstream, UpstreamPool
+from lightning_middleware.rewards import RewardConfig, Scorer, load_config
 from lightning_middleware.store import TraceStore, get_store
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,12 @@ class Gateway:
         max_cached_responses: int = 1024,
         record_unattached: bool = True,
         policy_version: int | None = None,
+        policies: Mapping[str, str] | None = None,
+        default_policy: str | None = None,
+        rewards: RewardConfig | Scorer | str | None = None,
     ) -> None:
+        """`rewards`: a reward configuration (or its TOML/JSON file) every rollout is scored under
+        as it finishes (docs/rewards.md)."""
         if isinstance(upstreams, str):
             upstreams = [upstreams]
         if not upstreams:
@@ -117,7 +123,9 @@ class Gateway:
         self.replay = ReplayCache(retry_window_s=retry_window_s, idempotency_ttl_s=idempotency_ttl_s,
                                   max_entries=max_cached_responses,
                                   max_wait_s=upstream_timeout_s + pause_wait_s + 30)
-        self.rollouts = RolloutRegistry(self.store, finish_wait_s=upstream_timeout_s)
+        scorer = rewards if isinstance(rewards, Scorer) or rewards is None else Scorer(
+            rewards if isinstance(rewards, RewardConfig) else load_config(rewards))
+        self.rollouts = RolloutRegistry(self.store, finish_wait_s=upstream_timeout_s, scorer=scorer)
         if policy_version is None:  # continue from the newest checkpoint the trainer recorded
             try:
                 policy_version = self.store.latest_policy_version()
@@ -126,7 +134,8 @@ class Gateway:
         self.policy_version = policy_version
         self.forwarder = Forwarder(self.pool, self.store, upstream_api_key=upstream_api_key, token=token,
                                    connect_timeout_s=connect_timeout_s, upstream_timeout_s=upstream_timeout_s,
-                                   record_unattached=record_unattached)
+                                   record_unattached=record_unattached, policies=dict(policies or {}),
+                                   default_policy=default_policy)
         self.calls = 0
         self._health_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

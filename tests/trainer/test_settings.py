@@ -116,3 +116,29 @@ def test_ppo_dpo_and_the_kl_in_the_reward() -> None:
         settings_from(_parse("--algo", "ppo", "--engine", "verl"))
     with pytest.raises(SettingsError, match="algorithm.name"):
         settings_from(_parse("--algo", "a2c"))
+
+
+def test_lora_from_the_flags() -> None:
+    s = settings_from(_parse("--lora-rank", "16", "--lora-alpha", "32", "--lora-name", "coder"))
+    eng = s.engine_config()
+    assert eng.lora is not None and (eng.lora.rank, eng.lora.alpha) == (16, 32) and s.lora.name == "coder"
+    assert settings_from(_parse()).engine_config().lora is None  # rank 0: every weight trains
+    with pytest.raises(SettingsError, match="lora.rank"):
+        settings_from(_parse("--lora-rank", "8", "--engine", "verl"))
+
+
+def test_the_rewards_section_round_trips_and_reaches_the_daemon(tmp_path: Path) -> None:
+    path = tmp_path / "trainer.toml"
+    path.write_text('[rewards]\nversion = "abc123"\nwait_for = { human = 600, reward_model = 30.5 }\n'
+                    'on_deadline = "skip"\n')
+    s = TrainerSettings.load(path)
+    again = tmp_path / "again.toml"
+    again.write_text(s.to_toml())
+    assert TrainerSettings.load(again) == s
+    policy = s.trainer_config().rewards
+    assert (policy.version, policy.on_deadline) == ("abc123", "skip")
+    assert dict(policy.wait_for) == {"human": 600, "reward_model": 30.5}
+    assert TrainerSettings.load(path, {"rewards.version": "def"}).rewards.version == "def"
+    path.write_text('[rewards]\nwait_for = { human = -1 }\n')
+    with pytest.raises(SettingsError, match="deadlines must be seconds >= 0"):
+        TrainerSettings.load(path)
