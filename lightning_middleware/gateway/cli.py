@@ -36,6 +36,9 @@ def add_cli(sub: Any) -> None:
                    help="an identical body resent within a rollout this soon after success is answered from it")
     p.add_argument("--policy-version", type=int, default=None, help="policy version served at start")
     p.add_argument("--no-record-unattached", action="store_true", help="don't record calls outside rollouts")
+    p.add_argument("--no-translate", action="store_true",
+                   help="send /v1/responses and /v1/messages upstream as they are (replicas that speak those "
+                        "formats; no token IDs) instead of as chat completions")
     p.set_defaults(func=run_cli)
 
 
@@ -52,7 +55,8 @@ def run_cli(args: argparse.Namespace) -> int:
                      max_body_bytes=int(args.max_body_mb * 1024 * 1024), pause_mode=args.pause_mode,
                      pause_wait_s=args.pause_wait, upstream_timeout_s=args.upstream_timeout,
                      health_interval_s=args.health_interval, retry_window_s=args.retry_window,
-                     policy_version=args.policy_version, record_unattached=not args.no_record_unattached)
+                     policy_version=args.policy_version, record_unattached=not args.no_record_unattached,
+                     translate=not args.no_translate)
     except (GatewayConfigError, ValueError) as exc:
         log.error("%s", exc)
         return 2
