@@ -18,6 +18,10 @@ in front of that client's transport. For each chat/completions request it:
 If a server rejects the extra fields with a 400, the request is resent once as
 the caller wrote it and injection stops for that host: recording must never be
 why an agent's call fails.
+
+Responses API and Anthropic Messages requests bound for a chat-completions server
+are translated first (`capture/translation.py`): they leave as chat completions,
+are recorded as such, and the body handed back is rewritten into the caller's format.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ HTTP surface (see docs/gateway.md):
 - `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, also under
   a per-rollout base URL `/rollouts/{id}/v1/...`, or with an `x-rollout-id` header.
   Streaming (SSE) is passed through chunk by chunk.
+- `POST /v1/responses`, `POST /v1/messages` (the Responses API, Anthropic Messages): sent
+  upstream as chat completions and answered in the caller's format (`translation`,
+  docs/formats.md), or as they are with `translate=False`.
 - `POST /rollouts` (idempotent on a client-supplied `id`), `GET /rollouts/{id}`,
   `POST /rollouts/{id}/reward`, `POST /rollouts/{id}/finish`, `POST /rollouts/{id}/fail`.
 - `POST /admin/pause`, `POST /admin/resume`, `GET /admin/state` (weight swaps),
@@ -27,7 +30,8 @@ succeeded are answered from the first (a client's retry storm stays one call).
 
 The parts, one module each: `admission` (the pause gate), `upstreams` (replica choice and
 health), `replay` (retries answered from the first call), `registry` (rollouts over HTTP),
-`requests`/`responses` (raw ASGI), `errors`, `auth`, `app` (routes), `cli`. Heavy imports
+`requests`/`responses` (raw ASGI), `translation` (other formats as chat completions), `errors`,
+`auth`, `app` (routes), `cli`. Heavy imports
 (starlette, uvicorn, aiohttp) happen inside functions: registering the CLI stays cheap.
 """
 
