@@ -297,6 +297,8 @@ class AnthropicStream(StreamHandler):
         self.stop_reason: Any = None
         self.usage_: Any = None
         self.prompt_tokens = self.completion_tokens = 0
+        self.held = ""  # the open tool block's leading whitespace, until its arguments show their kind
+        self.args_object: bool | None = None  # whether they open a JSON object (None: not known yet)
 
     def emit(self, kind: str, data: dict[str, Any]) -> None:
         data["type"] = kind
@@ -323,9 +325,24 @@ class AnthropicStream(StreamHandler):
         if self.open != ("tool", index):
             self.tools = True
             self._block(("tool", index), {"type": "tool_use", "id": call_id or "", "name": name or "", "input": {}})
-        if arguments:
-            self.emit("content_block_delta", {"index": self.index,
-                                              "delta": {"type": "input_json_delta", "partial_json": arguments}})
+            self.held, self.args_object = "", None
+        if not arguments or self.args_object is False:
+            return
+        if self.args_object is None:
+            # A tool_use input is an object: the SDK parses the deltas into one. Arguments that do
+            # not open one (a small model's `42`) are not passed on, so the block keeps its `{}`
+            # as the whole answer would (`_tool_input`).
+            self.held += arguments
+            head = self.held.lstrip()
+            if not head:
+                return
+            self.args_object = head.startswith("{")
+            if not self.args_object:
+                log.warning("a streamed tool call's arguments are not a JSON object; the tool_use block gets {}")
+                return
+            arguments, self.held = self.held, ""
+        self.emit("content_block_delta", {"index": self.index,
+                                          "delta": {"type": "input_json_delta", "partial_json": arguments}})
 
     def tokens(self, n: int) -> None:
         self.completion_tokens += n

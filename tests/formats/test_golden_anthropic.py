@@ -3,6 +3,7 @@ every one that is refused (with the field named), and the answer whole and strea
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -215,3 +216,30 @@ def test_errors_are_anthropic_shaped() -> None:
     assert fmt.error_body(400, b'{"error": {"message": "too long", "type": "BadRequestError"}}') == (
         b'{"type":"error","error":{"type":"BadRequestError","message":"too long"}}')
     assert fmt.error_body(500, b"oops") == b'{"type":"error","error":{"type":"api_error","message":"oops"}}'
+
+
+def _tool_chunks(*pieces: str) -> list[bytes]:
+    """A stream whose one tool call's arguments arrive in `pieces`."""
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000, "model": "served"}
+    deltas = [{"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                               "function": {"name": "calc", "arguments": ""}}]}]
+    deltas += [{"tool_calls": [{"index": 0, "function": {"arguments": p}}]} for p in pieces]
+    chunks = [{**head, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    chunks.append({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+    return [f"data: {json.dumps(c)}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]
+
+
+@pytest.mark.parametrize(("pieces", "partial_json"), [
+    (("\n", " {\"q", "\": 1}"), ["\n {\"q", "\": 1}"]),  # leading whitespace is held until the object opens
+    (("  ", "42"), []),  # not an object (a small model's number): the block keeps its {} ...
+    (("Infin", "ity"), []),
+])
+def test_streamed_tool_arguments_reach_the_sdk_only_as_an_object(pieces: tuple[str, ...],
+                                                                  partial_json: list[str]) -> None:
+    rewriter = FORMATS["messages"].stream_rewriter(SOURCE, CALL_ID)
+    evs = events(b"".join(rewriter.feed(c) for c in _tool_chunks(*pieces)) + rewriter.finish())
+    assert [d["delta"]["partial_json"] for e, d in evs if e == "content_block_delta"] == partial_json
+    assert [e for e, _ in evs][-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    whole = answer(chat_answer(content=None, tool_calls=[{"id": "call_a", "type": "function", "function": {
+        "name": "calc", "arguments": "".join(pieces)}}]), SOURCE, CALL_ID)
+    assert whole["content"][0]["input"] == ({"q": 1} if partial_json else {})  # ... as the whole answer's does
