@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 
 import aiohttp
 import orjson
@@ -40,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_gateway import _pct, _rollout_urls, _start_gateway  # noqa: E402
 
-from lightning_middleware.formats import FORMATS  # noqa: E402
+from lightning_middleware.formats import FORMATS, Format  # noqa: E402
 from lightning_middleware.testing import LLMTestServer, free_port  # noqa: E402
 from lightning_middleware.testing.llm_script import reply  # noqa: E402
 
@@ -85,6 +86,20 @@ async def _interleaved(base: str, stream: bool, total: int) -> dict[str, list[fl
     return lat
 
 
+def _steps(fmt: Format, source: dict, answer: bytes, chunks: tuple[bytes, ...]) -> dict[str, Callable[[], object]]:
+    """The three translation steps of one call, each as a thunk to time."""
+
+    def stream() -> bytes:
+        rewriter = fmt.stream_rewriter(source, "id")
+        return b"".join(rewriter.feed(c) for c in chunks) + rewriter.finish()
+
+    return {
+        "request": lambda: orjson.dumps(fmt.to_chat(orjson.loads(orjson.dumps(source)), None)),
+        "answer": lambda: fmt.answer_body(answer, source, "id"),
+        "stream": stream,
+    }
+
+
 def _inproc(n: int) -> dict[str, dict[str, float]]:
     """Microseconds per call of the translation alone: request, whole answer, and stream."""
     out: dict[str, dict[str, float]] = {}
@@ -94,14 +109,10 @@ def _inproc(n: int) -> dict[str, dict[str, float]]:
         chat = fmt.to_chat(source, None)
         answer = reply("/v1/chat/completions", {}, orjson.dumps({**chat, "return_token_ids": True,
                                                                   "logprobs": True})).json_bytes()
-        stream_chunks = reply("/v1/chat/completions", {}, orjson.dumps(
+        chunks = reply("/v1/chat/completions", {}, orjson.dumps(
             {**fmt.to_chat({**source, "stream": True}, None), "return_token_ids": True, "logprobs": True})).events
         timings = {}
-        for what, fn in (
-            ("request", lambda: orjson.dumps(fmt.to_chat(orjson.loads(orjson.dumps(source)), None))),
-            ("answer", lambda: fmt.answer_body(answer, source, "id")),
-            ("stream", lambda: [fmt.stream_rewriter(source, "id").feed(c) for c in stream_chunks]),
-        ):
+        for what, fn in _steps(fmt, source, answer, chunks).items():
             fn()
             samples = []
             for _ in range(n):
@@ -111,6 +122,11 @@ def _inproc(n: int) -> dict[str, dict[str, float]]:
             timings[what] = _pct(samples, 50) * 1e6
         out[name] = timings
     return out
+
+
+def _stream_len() -> int:
+    chat = FORMATS["responses"].to_chat({**_bodies(7, True, "x")["responses"]}, None)
+    return len(reply("/v1/chat/completions", {}, orjson.dumps({**chat, "return_token_ids": True})).events)
 
 
 def _cpu_kind() -> str:
@@ -132,6 +148,7 @@ def main() -> int:
     print("translation alone, p50 microseconds: request -> chat | chat answer -> caller | stream chunks -> events")
     for name, t in inproc.items():
         print(f"  {name:9s}  {t['request']:7.1f} | {t['answer']:7.1f} | {t['stream']:7.1f}")
+    print(f"  (a stream: {_stream_len()} chat chunks)")
     tmp = tempfile.mkdtemp(prefix="bench_tr_")
     with LLMTestServer() as server:
         port = free_port()
@@ -143,7 +160,10 @@ def main() -> int:
             for stream in (False, True):
                 lat = asyncio.run(_interleaved(base, stream, args.seq))
                 chat = _pct(lat["chat"], 50) * 1000
-                row = "  ".join(f"{name} {_pct(v, 50) * 1000:.3f} ({_pct(v, 50) * 1000 - chat:+.3f})"
+                # (added: p50 minus chat's p50; paired: the p50 of each round's own difference,
+                # less sensitive to the machine's load drifting during the run)
+                row = "  ".join(f"{name} {_pct(v, 50) * 1000:.3f} (added {_pct(v, 50) * 1000 - chat:+.3f}, "
+                                f"paired {_pct([a - b for a, b in zip(v, lat['chat'])], 50) * 1000:+.3f})"
                                 for name, v in lat.items() if name != "chat")
                 print(f"  {'stream    ' if stream else 'non-stream'}  chat {chat:.3f}  {row}   n={len(lat['chat'])}")
         finally:
