@@ -106,6 +106,9 @@ REFUSED = [  # (request fields, the field the 400 names)
     (_user({"type": "text", "text": "a", "citations": [{"type": "char_location"}]}),
      "messages[0].content[0].citations"),
     (_user({"type": "tool_result", "tool_use_id": "t", "content": [IMAGE]}), "messages[0].content[0].content[0].type"),
+    *((_user({"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "a"}, {"type": kind}]}),
+       "messages[0].content[0].content[1].type") for kind in ("document", "search_result", "tool_reference")),
+    ({"messages": [], "thinking": {"type": "adaptive"}}, "thinking"),
     (_assistant({"type": "thinking", "thinking": "hm", "signature": "s"}), "messages[1].content[0].type"),
     (_assistant({"type": "redacted_thinking", "data": "x"}), "messages[1].content[0].type"),
     *((_assistant({"type": "text", "text": "a"}, {"type": kind, "id": "s"}), "messages[1].content[1].type")

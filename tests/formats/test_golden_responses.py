@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 
+from lightning_middleware import LLMCall
 from lightning_middleware.formats import FORMATS, TranslationError
+from lightning_middleware.formats.history import conversation_of
 from lightning_middleware.formats.responses import answer, to_chat
 from tests.formats.streams import CALL_ID, TOOL_CALLS, chat_answer, chat_chunks, events, feed_bytewise
 
@@ -112,6 +114,11 @@ REFUSED = [  # (request fields, the field the 400 names)
                    "mcp_list_tools", "custom_tool_call")),
     ({"input": [{"type": "function_call_output", "call_id": "c",
                  "output": [{"type": "input_image", "image_url": "data:,"}]}]}, "input[0].output[0].type"),
+    ({"input": [{"type": "function_call_output", "call_id": "c",
+                 "output": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].output[0].type"),
+    *(({"input": [{"type": kind, "id": "x"}]}, "input[0].type")
+      for kind in ("local_shell_call_output", "mcp_approval_request", "mcp_approval_response",
+                   "custom_tool_call_output", "web_search_call_output")),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     *(({"input": "x", "tools": [{"type": kind}]}, "tools[0].type")
       for kind in ("web_search", "web_search_preview", "file_search", "computer_use_preview", "code_interpreter",
@@ -221,3 +228,36 @@ def test_errors_are_openai_shaped_with_the_field() -> None:
         b'{"error":{"message":"too long","type":"BadRequestError","param":null,"code":null}}')
     refused = fmt.refusal_body(TranslationError("tools[0].type", "no"))
     assert b'"param":"tools[0].type"' in refused
+
+
+def _previous(**fields: Any) -> LLMCall:
+    """A recorded translated Responses call: `instructions` + a user message, answered with text
+    and a tool call."""
+    reply = {"role": "assistant", "content": "let me check", "tool_calls": TOOL_CALLS[:1]}
+    base: dict[str, Any] = {
+        "id": CALL_ID, "rollout_id": "r", "call_index": 0, "status_code": 200, "source_format": "responses",
+        "source_request": {"model": "m", "instructions": "be brief", "input": "2+2?"},
+        "request": {"model": "m", "messages": [{"role": "system", "content": "be brief"},
+                                               {"role": "user", "content": "2+2?"}]},
+        "response": {"choices": [{"index": 0, "message": reply, "finish_reason": "tool_calls"}]}}
+    return LLMCall(**{**base, **fields})
+
+
+def test_previous_response_is_the_conversation_without_its_instructions() -> None:
+    assert conversation_of(_previous(), f"resp_{CALL_ID}") == [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "let me check", "tool_calls": TOOL_CALLS[:1]}]
+
+
+@pytest.mark.parametrize("call", [
+    None,  # not in the store
+    _previous(source_format=None),  # a chat call: no Responses answer has that id
+    _previous(source_format="anthropic.messages"),
+    _previous(status_code=500, response=None),  # failed
+    _previous(partial=True),  # a stream cut before its end
+], ids=["missing", "chat", "anthropic", "failed", "partial"])
+def test_a_previous_response_that_cannot_be_continued_is_a_400(call: LLMCall | None) -> None:
+    with pytest.raises(TranslationError) as caught:
+        conversation_of(call, "resp_x")
+    assert caught.value.field == "previous_response_id" and caught.value.status == 400
+    assert caught.value.code == "previous_response_not_found"
