@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,7 +98,18 @@ class CaptureSettings:
     translate: bool | None = None
     # Hosts that answered 400 to the injected fields: leave their requests alone.
     no_inject_hosts: set[str] = field(default_factory=set)
+    # Separate policies per agent: agent name -> the served model name of its policy (a LoRA
+    # adapter's name). A call of a mapped agent is sent, and recorded, under that model whatever
+    # model the agent code wrote; other agents' calls go to `default_policy` (None: as written).
+    policies: Mapping[str, str] = field(default_factory=dict)
+    default_policy: str | None = None
     _unattached_counter: Any = field(default_factory=lambda: _Counter())
+
+    def policy_for(self, agent: str | None) -> str | None:
+        """The served model name a call of `agent` goes to, or None to leave the request's own."""
+        if agent is not None and agent in self.policies:
+            return self.policies[agent]
+        return self.default_policy
 
 
 class _Counter:
@@ -279,8 +291,12 @@ def begin_call(settings: CaptureSettings, endpoint: str, payload: dict[str, Any]
     The recording transport enters here for every request it sees; the gateway, which
     has parsed and routed the request itself, enters here directly. None: not recorded.
     """
+    served = settings.policy_for(agent_name)
+    rerouted = served is not None and payload.get("model") != served
+    if rerouted:
+        payload = {**payload, "model": served}
     if state is None and not settings.record_unattached:
-        return None, None
+        return None, fastjson.dumps(payload).encode() if rerouted else None
     additions = _additions(settings, endpoint, payload, state, host)
     pending = PendingCall(
         settings=settings, endpoint=endpoint, state=state,
@@ -291,6 +307,8 @@ def begin_call(settings: CaptureSettings, endpoint: str, payload: dict[str, Any]
     if endpoint not in TRAINABLE_ENDPOINTS:
         _warn_once(endpoint, "%s calls sent untranslated are recorded but carry no token IDs: leave translation "
                    "on (wrap(translate=None), the gateway's default) to train on them (docs/formats.md)", endpoint)
+    if rerouted:  # a new model: serialise once (a rare path; the common one splices bytes)
+        return pending, fastjson.dumps({**payload, **additions}).encode()
     return pending, _splice(body, payload, additions) if additions else None
 
 

@@ -121,6 +121,8 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
                 prepare(request, out.body)
             else:
                 strip_routing_headers(request)
+                if out.body is not None:  # unrecorded, but routed to its agent's policy
+                    set_body(request, out.body)
             return out
         except Exception:
             log.exception("capture failed before sending; forwarding unrecorded")

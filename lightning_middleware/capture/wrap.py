@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from lightning_middleware.capture.calls import CaptureSettings
@@ -58,7 +59,8 @@ def _translate_setting(value: bool | None) -> bool | None:
 
 
 def wrap(client: T, *, store: TraceStore | str | None = None, record_unattached: bool | None = None,
-         inject_token_ids: bool = True, translate: bool | None = None) -> T:
+         inject_token_ids: bool = True, translate: bool | None = None, policies: Mapping[str, str] | None = None,
+         default_policy: str | None = None) -> T:
     """Record every LLM call `client` makes; returns the same object, instrumented in place.
 
     `translate`: Responses API / Anthropic Messages requests are sent as chat completions (and
@@ -66,6 +68,11 @@ def wrap(client: T, *, store: TraceStore | str | None = None, record_unattached:
     `$LIGHTNING_TRANSLATE=auto`): on, except towards the format's own vendor API
     (api.openai.com, api.anthropic.com); True: always; False: never (for a server that really
     speaks the format; those calls are recorded without token IDs).
+
+    `policies` maps agent names (`agent_scope`, or what the framework's adapter knows: AutoGen and
+    Agents SDK agent names, LangGraph nodes) to the served model name of each agent's own policy
+    (a LoRA adapter): a call of agent X is sent, and recorded, under X's policy whatever model
+    the code wrote; `default_policy` takes the calls of every other agent (None: as written).
 
     Wrapping twice is harmless (the second call only updates the settings you pass).
     The store is opened here, so a bad store URL fails now, not inside an LLM call.
@@ -88,6 +95,9 @@ def wrap(client: T, *, store: TraceStore | str | None = None, record_unattached:
                                _env_flag("LIGHTNING_RECORD_UNATTACHED", True)),
             inject_token_ids=inject_token_ids,
             translate=_translate_setting(translate),
+            policies=dict(policies) if policies is not None else previous.policies if previous is not None else {},
+            default_policy=default_policy if default_policy is not None else
+            previous.default_policy if previous is not None else None,
         )
         if previous is not None:
             settings.no_inject_hosts = previous.no_inject_hosts

@@ -45,11 +45,14 @@ class Forwarder:
     """One aiohttp session for every upstream request (opened on the gateway's loop)."""
 
     def __init__(self, pool: UpstreamPool, store: TraceStore, *, upstream_api_key: str | None, token: str | None,
-                 connect_timeout_s: float, upstream_timeout_s: float, record_unattached: bool) -> None:
+                 connect_timeout_s: float, upstream_timeout_s: float, record_unattached: bool,
+                 policies: dict[str, str] | None = None, default_policy: str | None = None) -> None:
+        """`policies`: agent name (the `x-agent-name` header) -> its policy's served model name."""
         self.pool, self.store = pool, store
         self.upstream_api_key, self.token = upstream_api_key, token
         self.connect_timeout_s, self.upstream_timeout_s = connect_timeout_s, upstream_timeout_s
         self.record_unattached = record_unattached
+        self.policies, self.default_policy = policies or {}, default_policy
         self.upstream_errors = 0
         self.session: aiohttp.ClientSession | None = None
         self.call_timeout: aiohttp.ClientTimeout | None = None
@@ -69,7 +72,8 @@ class Forwarder:
         self.call_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s,
                                                   sock_read=self.upstream_timeout_s)
         # strip_added=False: gateway callers get the engine's token IDs and logprobs too.
-        self.capture = CaptureSettings(store=self.store, record_unattached=self.record_unattached, strip_added=False)
+        self.capture = CaptureSettings(store=self.store, record_unattached=self.record_unattached, strip_added=False,
+                                       policies=self.policies, default_policy=self.default_policy)
 
     async def close(self) -> None:
         if self.session is not None:

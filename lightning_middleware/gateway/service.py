@@ -43,7 +43,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from lightning_middleware import fastjson
@@ -98,6 +98,8 @@ class Gateway:
         record_unattached: bool = True,
         policy_version: int | None = None,
         translate: bool = True,
+        policies: Mapping[str, str] | None = None,
+        default_policy: str | None = None,
     ) -> None:
         if isinstance(upstreams, str):
             upstreams = [upstreams]
@@ -136,7 +138,8 @@ class Gateway:
         self.policy_version = policy_version
         self.forwarder = Forwarder(self.pool, self.store, upstream_api_key=upstream_api_key, token=token,
                                    connect_timeout_s=connect_timeout_s, upstream_timeout_s=upstream_timeout_s,
-                                   record_unattached=record_unattached)
+                                   record_unattached=record_unattached, policies=dict(policies or {}),
+                                   default_policy=default_policy)
         self.calls = 0
         self._health_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

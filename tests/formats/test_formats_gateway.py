@@ -167,3 +167,21 @@ def test_without_translation_the_formats_go_upstream_as_they_are(llm_server: LLM
     [call] = store.calls(rid)
     assert call.endpoint == "responses" and call.source_format is None and not call.is_training
     assert json.loads(json.dumps(call.request)) == {"model": "m", "input": "hi"}
+
+
+def test_translated_calls_go_to_their_agents_policy(llm_server: LLMTestServer, store: TraceStore) -> None:
+    """The gateway's per-agent policies (`--policy`) apply to the translated chat request."""
+    with Gateway([llm_server.base_url], store, health_interval_s=0, policies={"coder": "coder-lora"},
+                 default_policy="base") as g:
+        rid = _rollout(g)
+        for agent in ("coder", "planner"):
+            client = anthropic.Anthropic(base_url=f"{g.url}/rollouts/{rid}", api_key="-",
+                                         default_headers={"x-agent-name": agent})
+            reply = client.messages.create(model="as-written", max_tokens=20,
+                                           messages=[{"role": "user", "content": "hi"}])
+            assert reply.content[0].text == "echo: hi"
+        _finish(g, rid)
+    coder, planner = store.calls(rid)
+    assert (coder.model, coder.request["model"], coder.source_request["model"]) == ("coder-lora", "coder-lora",
+                                                                                    "as-written")
+    assert planner.model == "base" and coder.is_training and planner.is_training

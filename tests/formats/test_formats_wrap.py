@@ -4,15 +4,18 @@ tool calls over several turns, sync and async, streamed and not, recorded as tra
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from typing import Any
 
 import anthropic
 import httpx2
 import openai
 import pytest
 
-from lightning_middleware import TraceStore, rollout, wrap
+from lightning_middleware import TraceStore, agent_scope, rollout, wrap
 from lightning_middleware.testing import TEST_BASE_URL, LLMTestServer, llm_http_client, llm_transport
+from lightning_middleware.testing.transport import transport_class
 from tests.formats.conversations import (
     QUESTION,
     anthropic_turns,
@@ -143,5 +146,45 @@ def test_unrecorded_calls_are_still_translated(llm_server: LLMTestServer, store:
     client = wrap(anthropic.Anthropic(base_url=llm_server.url, api_key=KEY), store=store, record_unattached=False)
     reply = client.messages.create(model="m", max_tokens=50, messages=[{"role": "user", "content": "hi"}])
     assert reply.content[0].text == "echo: hi" and reply.id.startswith("msg_")
+    store.flush()
+    assert store.calls(None) == []
+
+
+def test_translated_calls_go_to_their_agents_policy(store: TraceStore) -> None:
+    """Per-agent policies (wrap(policies=...)) apply to the translated chat request: it is sent,
+    and recorded, under the agent's served model; recorded or not."""
+    def client(**kw: object) -> anthropic.Anthropic:
+        return wrap(anthropic.Anthropic(base_url=TEST_BASE_URL, api_key=KEY,
+                                        http_client=llm_http_client(httpx2)), store=store, **kw)
+
+    routed = client(policies={"coder": "coder-lora"})
+    with rollout("team", store=store) as r:
+        with agent_scope("coder"):
+            reply = routed.messages.create(model="as-written", max_tokens=20, messages=[{"role": "user",
+                                                                                      "content": "hi"}])
+        routed.messages.create(model="as-written", max_tokens=20, messages=[{"role": "user", "content": "hi"}])
+    assert reply.content[0].text == "echo: hi" and reply.model == "as-written"  # the caller's own, echoed
+    coder, other = store.calls(r.id)
+    assert (coder.model, coder.request["model"], coder.source_request["model"]) == ("coder-lora", "coder-lora",
+                                                                                    "as-written")
+    assert other.model == "as-written" and coder.is_training and other.is_training
+
+    class Seen(transport_class(httpx2)):  # type: ignore[misc]
+        """The test LLM, keeping the bodies it was sent (what left the process)."""
+
+        bodies: list[dict] = []
+
+        def handle_request(self, request: Any) -> Any:
+            request.read()
+            self.bodies.append(json.loads(request.content))
+            return super().handle_request(request)
+
+    unrecorded = wrap(anthropic.Anthropic(base_url=TEST_BASE_URL, api_key=KEY,
+                                          http_client=httpx2.Client(transport=Seen())),
+                      store=store, record_unattached=False, policies={"coder": "coder-lora"})
+    with agent_scope("coder"):
+        unrecorded.messages.create(model="as-written", max_tokens=20, messages=[{"role": "user", "content": "hi"}])
+    [sent] = Seen.bodies
+    assert sent["model"] == "coder-lora" and sent["messages"] == [{"role": "user", "content": "hi"}]
     store.flush()
     assert store.calls(None) == []

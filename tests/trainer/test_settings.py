@@ -116,3 +116,12 @@ def test_ppo_dpo_and_the_kl_in_the_reward() -> None:
         settings_from(_parse("--algo", "ppo", "--engine", "verl"))
     with pytest.raises(SettingsError, match="algorithm.name"):
         settings_from(_parse("--algo", "a2c"))
+
+
+def test_lora_from_the_flags() -> None:
+    s = settings_from(_parse("--lora-rank", "16", "--lora-alpha", "32", "--lora-name", "coder"))
+    eng = s.engine_config()
+    assert eng.lora is not None and (eng.lora.rank, eng.lora.alpha) == (16, 32) and s.lora.name == "coder"
+    assert settings_from(_parse()).engine_config().lora is None  # rank 0: every weight trains
+    with pytest.raises(SettingsError, match="lora.rank"):
+        settings_from(_parse("--lora-rank", "8", "--engine", "verl"))

@@ -115,6 +115,17 @@ class DPOSettings(_Section):  # algorithm.name = "dpo"
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
 
 
+class LoraSettings(_Section):
+    rank: int = Field(0, ge=0)  # 0: train every weight; > 0: a LoRA adapter of this rank on the frozen base
+    alpha: int = Field(16, ge=1)
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    name: str = "policy"  # the adapter's served model name: what the agents call (serve with --max-lora-rank)
+    # Separate policies per agent: one adapter per name (its served model name), all on one base;
+    # each trains on the rows of calls served under its name (wrap(policies=...), gateway --policy).
+    policies: tuple[str, ...] = ()
+    default_policy: str | None = None  # trains rows of every other model (None: they are left out)
+
+
 class EngineSettings(_Section):
     precision: Literal["auto", "fp32", "bf16-autocast", "bf16"] = "auto"
     micro_batch_tokens: int = Field(8192, ge=16)
@@ -153,6 +164,7 @@ class TrainerSettings(_Section):
     loss: LossSettings = LossSettings()
     critic: CriticSettings = CriticSettings()
     dpo: DPOSettings = DPOSettings()
+    lora: LoraSettings = LoraSettings()
     engine: EngineSettings = EngineSettings()
     eval: EvalSettings = EvalSettings()
     monitor: MonitorSettings = MonitorSettings()
@@ -166,6 +178,12 @@ class TrainerSettings(_Section):
         if self.run.engine == "verl" and (self.algorithm.name in ("ppo", "dpo") or self.loss.kl_in == "reward"):
             raise ValueError(f"the verl engine runs the policy-gradient algorithms with the KL in the loss; "
                              f"algorithm {self.algorithm.name!r} / loss.kl_in {self.loss.kl_in!r} need engine 'torch'")
+        if self.lora.policies and not self.lora.rank:
+            raise ValueError("lora.policies: separate policies are LoRA adapters; set lora.rank")
+        if self.lora.default_policy and self.lora.default_policy not in self.lora.policies:
+            raise ValueError(f"lora.default_policy {self.lora.default_policy!r} is not one of lora.policies")
+        if self.run.engine == "verl" and self.lora.rank:
+            raise ValueError("lora.rank: LoRA runs on the torch engine (the verl engine trains every weight)")
         if self.optim.lr_schedule != "constant" and self.optim.total_steps is None and self.run.max_steps is None:
             raise ValueError(f"optim.lr_schedule {self.optim.lr_schedule!r} needs optim.total_steps or run.max_steps")
         return self
@@ -233,7 +251,11 @@ class TrainerSettings(_Section):
         critic = (CriticConfig(lr=c.lr, gamma=c.gamma, lam=c.lam, cliprange_value=c.cliprange_value,
                                grad_clip=c.max_grad_norm, warmup_steps=c.warmup_steps) if name == "ppo" else None)
         dpo = DPOConfig(beta=self.dpo.beta, label_smoothing=self.dpo.label_smoothing) if name == "dpo" else None
-        return TorchEngineConfig(critic=critic, dpo=dpo,
+        from trainer_backend.engines.lora import AdapterConfig
+
+        lo = self.lora
+        adapter = AdapterConfig(rank=lo.rank, alpha=lo.alpha, target_modules=lo.target_modules) if lo.rank else None
+        return TorchEngineConfig(critic=critic, dpo=dpo, lora=adapter,
             lr=o.lr, adam_eps=o.adam_eps, weight_decay=o.weight_decay, grad_clip=o.max_grad_norm,
             loss=self.loss_config(), micro_batch_tokens=e.micro_batch_tokens, freeze_embeddings=e.freeze_embeddings,
             precision=e.precision, gradient_checkpointing=e.gradient_checkpointing, compile=e.compile,

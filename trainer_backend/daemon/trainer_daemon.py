@@ -42,12 +42,12 @@ from typing import Any
 
 from lightning_middleware import PolicyVersion, Rollout, TraceStore, TrainStep
 from lightning_middleware.records import Event
-from lightning_middleware.rows import RowStats, build_rows_for_rollouts, with_advantages
+from lightning_middleware.rows import RowStats, build_rows_for_rollouts
 from lightning_middleware.store import LeaseLost, StoreError, get_store
-from trainer_backend.algorithms import registry
+from trainer_backend.algorithms import labelling, registry
 from trainer_backend.daemon.monitoring import HealthChecks, HealthConfig
 from trainer_backend.daemon.validation import EvalPolicy, PeriodicEvaluation, protected_checkpoints
-from trainer_backend.engines.base import Engine, Publisher
+from trainer_backend.engines.base import Engine, Publisher, RoutesRows
 
 log = logging.getLogger(__name__)
 
@@ -304,9 +304,10 @@ class TrainerDaemon:
         algorithm = self.config.algorithm
         if algorithm == "grpo" and not self.config.norm_by_std:
             algorithm = "dr_grpo"
-        rows, row_adv = registry.label_rows(algorithm, rollouts, rows, level=self.config.advantage_level)
-        rows = with_advantages(rows, row_adv, rewards={r.id: float(r.final_reward or 0.0) for r in rollouts})
-        adv = {row.rollout_id: row.advantage for row in rows}  # for the metrics (rollout level: one per rollout)
+        parts = self.engine.route(rows) if isinstance(self.engine, RoutesRows) else None
+        rows = labelling.label(algorithm, rollouts, rows, level=self.config.advantage_level, parts=parts)
+        # for the metrics: one advantage per rollout and policy (rollout level)
+        adv = {(row.rollout_id, row.policy): row.advantage for row in rows}
         t_build = time.perf_counter() - t0
         if not rows:  # nothing trainable (no token IDs?): no update, no new version; consumed as skipped
             log.warning("a batch of %d rollouts had no trainable rows (calls without token IDs?); skipped",
@@ -376,7 +377,7 @@ class TrainerDaemon:
                 shutil.rmtree(old, ignore_errors=True)
 
     def _metrics(self, rollouts: Sequence[Rollout], rows: Sequence[Any], row_stats: RowStats,
-                 adv: dict[str, float], engine_metrics: dict[str, float], skipped: dict[str, int],
+                 adv: dict[tuple[str, str | None], float], engine_metrics: dict[str, float], skipped: dict[str, int],
                  t_build: float, t_total: float, publish: dict[str, Any]) -> dict[str, Any]:
         rewards = [float(r.final_reward or 0.0) for r in rollouts]
         mean = sum(rewards) / len(rewards)

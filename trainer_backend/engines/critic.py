@@ -28,12 +28,13 @@ STATE_FILE = "critic_state.pt"
 
 class Critic:
     def __init__(self, model_dir: str | Path, config: CriticConfig, *, device: torch.device,
-                 autocast_bf16: bool = False) -> None:
+                 base_dir: str | Path | None = None, autocast_bf16: bool = False) -> None:
+        """The critic saved in `model_dir/critic`, else a new one on `base_dir` (default `model_dir`)."""
         self.config = config
         self.device = device
         self.autocast_bf16 = autocast_bf16
         saved = Path(model_dir) / CRITIC_DIR
-        source = saved if (saved / "config.json").is_file() else Path(model_dir)
+        source = saved if (saved / "config.json").is_file() else Path(base_dir or model_dir)
         # A policy checkpoint has no "score" head: transformers initialises it (and says so). No
         # dropout (the head's default is 0.1): old values and the update must see the same network.
         config_ = AutoConfig.from_pretrained(source, num_labels=1)

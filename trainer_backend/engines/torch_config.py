@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from trainer_backend.algorithms.dpo import DPOConfig
 from trainer_backend.algorithms.grpo import LossConfig
 from trainer_backend.algorithms.ppo import CriticConfig
+from trainer_backend.engines.lora import AdapterConfig
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class TorchEngineConfig:
     # DPO instead of a policy gradient (algorithms/dpo.py): rows labelled +1/-1 as their advantage,
     # paired by task id, against the frozen reference (reference_dir, else the start weights).
     dpo: DPOConfig | None = None
+    # Train a LoRA adapter on the frozen base instead of every weight (engines/lora.py); checkpoints
+    # are then adapter folders that the publisher hot-loads into vLLM by name.
+    lora: AdapterConfig | None = None
 
 
 PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16")

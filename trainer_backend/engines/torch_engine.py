@@ -31,7 +31,7 @@ from lightning_middleware.rows import Row
 from trainer_backend.algorithms.dpo import pairs_from_rows, rollout_coefficients
 from trainer_backend.algorithms.grpo import loss_weights, policy_loss, token_logprobs_entropy
 from trainer_backend.algorithms.sampling import sampled_logits
-from trainer_backend.engines import model_advantages
+from trainer_backend.engines import lora, model_advantages
 from trainer_backend.engines.batching import MicroBatch, make_micro_batch, split_micro_batches
 from trainer_backend.engines.critic import Critic
 from trainer_backend.engines.precision import resolve_precision
@@ -60,7 +60,10 @@ class TorchEngine:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         policy_version: int = 0,
+        shared: lora.SharedAdapter | None = None,
     ) -> None:
+        """`shared`: train that adapter of a peft model other engines hold too (a `PolicySet`);
+        `model_dir` is then where this adapter's optimizer state may be (its checkpoint folder)."""
         if config.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, not {config.precision!r}")
         if config.lr_schedule not in LR_SCHEDULES:
@@ -72,8 +75,17 @@ class TorchEngine:
         self.config = config
         self.device = torch.device(device)
         self.policy_version = policy_version
-        model: Any = AutoModelForCausalLM.from_pretrained(self.source_dir, dtype=dtype)
+        self.base_dir = self.source_dir  # the full model a LoRA adapter sits on; the model itself otherwise
+        self.is_lora = shared is not None or config.lora is not None or lora.is_adapter_dir(self.source_dir)
+        self.adapter = shared.name if shared is not None else "default"
+        if shared is not None:
+            model, self.base_dir = shared.model, shared.base_dir
+        elif self.is_lora:
+            model, self.base_dir = lora.load(self.source_dir, config.lora or lora.AdapterConfig(), dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(self.source_dir, dtype=dtype)
         self.model: Any = model.to(self.device)
+        self._activate()
         self.model.train()
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -81,12 +93,15 @@ class TorchEngine:
         if config.freeze_embeddings:
             self.model.get_input_embeddings().weight.requires_grad_(False)
         self.ref_model = None
-        if config.reference_model or config.loss.kl_coef > 0 or config.loss.kl_in_reward_coef > 0 or config.dpo:
+        self.needs_reference = bool(config.reference_model or config.loss.kl_coef > 0
+                                    or config.loss.kl_in_reward_coef > 0 or config.dpo)
+        if self.needs_reference and not self.is_lora:  # LoRA: the base with the adapter off is the reference
             loaded: Any = None if config.reference_dir is None else AutoModelForCausalLM.from_pretrained(
                 config.reference_dir, dtype=dtype)
             ref = copy.deepcopy(self.model) if loaded is None else loaded.to(self.device)
             self.ref_model = ref.eval().requires_grad_(False)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = (lora.adapter_parameters(self.model, self.adapter) if self.is_lora
+                       else [p for p in self.model.parameters() if p.requires_grad])
         # The optimizer's parameters: the model's own, or fp32 masters of the bf16 model's.
         self.master = self.params
         if config.precision == "bf16":
@@ -97,7 +112,7 @@ class TorchEngine:
         if config.compile:  # after the reference copy, which stays eager
             self._compile_layers()
         self.critic = None if config.critic is None else Critic(
-            self.source_dir, config.critic, device=self.device,
+            self.source_dir, config.critic, device=self.device, base_dir=self.base_dir,
             autocast_bf16=config.precision in ("bf16", "bf16-autocast"))
         # fused: one kernel for all parameters instead of a loop of small ops per tensor
         self.optimizer = torch.optim.AdamW(self.master, lr=config.lr, betas=config.betas, eps=config.adam_eps,
@@ -110,10 +125,16 @@ class TorchEngine:
         log.info("TorchEngine: %s, %.2fM trainable params, %s, version %d", self.source_dir,
                  sum(p.numel() for p in self.params) / 1e6, config.precision, policy_version)
 
+    def _activate(self) -> None:
+        """Make this engine's adapter the active (and only trainable) one of a shared model."""
+        if self.is_lora and self.model.active_adapter != self.adapter:
+            self.model.set_adapter(self.adapter)
+
     def _compile_layers(self) -> None:
         """Compile the repeated decoder layers (one graph serves them all), not the whole model:
         the embedding, output layer and our log-prob function stay eager and shape-agnostic."""
-        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        decoder = self.model.get_base_model() if self.is_lora else self.model
+        layers = getattr(getattr(decoder, "model", None), "layers", None)
         if layers is None:
             raise ValueError(f"compile=True needs a decoder with .model.layers; {type(self.model).__name__} has none")
         for layer in layers:
@@ -193,14 +214,17 @@ class TorchEngine:
         keep = use_behaviour.to(self.device).unsqueeze(-1)
         return torch.where(keep, mb.behaviour_logp.to(self.device), recomputed)
 
+    @torch.no_grad()
+    def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        """The frozen reference's log-probs: its own copy, or (LoRA) the base with the adapter off."""
+        if self.ref_model is not None:
+            return self._forward(self.ref_model, mb, with_entropy=False)[0]
+        with self.model.disable_adapter():
+            return self._forward(self.model, mb, with_entropy=False)[0]
+
     def _model_advantages(self, rows: Sequence[Row], batches: list[MicroBatch],
                           old: Sequence[torch.Tensor | None]) -> model_advantages.ModelAdvantages:
         """PPO's GAE and a KL penalty in the reward: advantages from a no-grad pass of the models."""
-        def ref(mb: MicroBatch) -> torch.Tensor:
-            assert self.ref_model is not None
-            with torch.no_grad():
-                return self._forward(self.ref_model, mb, with_entropy=False)[0]
-
         def current(mb: MicroBatch) -> torch.Tensor:  # TIS: the old policy is the current one
             with torch.no_grad():
                 return self._forward(self.model, mb, with_entropy=False)[0]
@@ -209,7 +233,7 @@ class TorchEngine:
         return model_advantages.compute(
             rows, batches, olds, self.config.loss, critic=self.config.critic,
             values=self.critic.values if self.critic is not None else None,
-            ref_logprobs=ref if self.ref_model is not None else None)
+            ref_logprobs=self._reference_logprobs if self.needs_reference else None)
 
     # -- the update
 
@@ -219,6 +243,7 @@ class TorchEngine:
             raise ValueError("step() needs at least one row")
         if self.config.old_logprobs not in ("behaviour", "recompute"):
             raise ValueError(f"old_logprobs must be 'behaviour' or 'recompute', not {self.config.old_logprobs!r}")
+        self._activate()
         if self.config.dpo is not None:
             return self._dpo_step(rows)
         t0 = time.perf_counter()
@@ -240,10 +265,7 @@ class TorchEngine:
         sums: dict[str, float] = {}
         for mb, old_logp in zip(batches, old):
             logp, entropy = self._forward(self.model, mb, with_entropy=True)
-            ref_logp = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref_logp, _ = self._forward(self.ref_model, mb, with_entropy=False)
+            ref_logp = self._reference_logprobs(mb) if self.needs_reference else None
             behaviour = None
             if old_logp is None:  # TIS: weigh each token by min(pi_current / pi_behaviour, threshold)
                 old_logp = logp.detach()
@@ -297,7 +319,7 @@ class TorchEngine:
 
     def _dpo_step(self, rows: Sequence[Row]) -> dict[str, float]:
         """One DPO update, exact across micro-batches (the two passes of algorithms/dpo.py)."""
-        assert self.config.dpo is not None and self.ref_model is not None
+        assert self.config.dpo is not None
         t0 = time.perf_counter()
         pairs = pairs_from_rows([r.task_id for r in rows], [r.rollout_id for r in rows], [r.advantage for r in rows])
         weights = [torch.tensor(r.loss_mask, dtype=torch.float32) for r in rows]  # a plain sum over response tokens
@@ -307,8 +329,9 @@ class TorchEngine:
         ref_logp = dict(logp)
         with torch.no_grad():
             for mb in batches:
-                for model, sums in ((self.model, logp), (self.ref_model, ref_logp)):
-                    per_row = (self._forward(model, mb, with_entropy=False)[0] * mb.weights.to(self.device)).sum(-1)
+                policy = self._forward(self.model, mb, with_entropy=False)[0]
+                for per_token, sums in ((policy, logp), (self._reference_logprobs(mb), ref_logp)):
+                    per_row = (per_token * mb.weights.to(self.device)).sum(-1)
                     for i, v in zip(mb.index, per_row.tolist()):
                         sums[rows[i].rollout_id] += v
         coef, metrics = rollout_coefficients(pairs, logp, ref_logp, self.config.dpo)
@@ -357,6 +380,7 @@ class TorchEngine:
     def token_logprobs(self, rows: Sequence[Row]) -> list[tuple[float, ...]]:
         """The current policy's log-prob of every token of each row as the trainer computes it
         (at the row's sampling parameters); 0.0 at positions that are not response tokens."""
+        self._activate()
         weights = loss_weights([torch.tensor(r.loss_mask) for r in rows], [r.rollout_id for r in rows], "token-mean")
         out: list[tuple[float, ...]] = [()] * len(rows)
         for idx in split_micro_batches([len(r) for r in rows], self.config.micro_batch_tokens):
@@ -381,14 +405,17 @@ class TorchEngine:
         """HF safetensors + config (+ generation config) and the source dir's tokenizer files."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out, state_dict=self._fp32_state_dict())  # safetensors only in transformers 5
+        if self.is_lora:  # the adapter alone, in the folder itself (what vLLM loads by name)
+            lora.save_adapter(self.model, self.adapter, out, self._fp32_state_dict())
+        else:
+            self.model.save_pretrained(out, state_dict=self._fp32_state_dict())  # safetensors only in transformers 5
         # vLLM loads only the safetensors; the optimizer's moments (2x the trainable weights in
         # fp32) let a restarted trainer continue the same AdamW and lr schedule.
         torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                     "policy_version": self.policy_version}, out / STATE_FILE)
         if self.critic is not None:
             self.critic.save(out)
-        for name in TOKENIZER_FILES:
+        for name in () if self.is_lora else TOKENIZER_FILES:  # an adapter is served on the base's tokenizer
             src = self.source_dir / name
             if src.is_file() and not (out / name).exists():
                 shutil.copy2(src, out / name)

@@ -26,6 +26,9 @@ def add_cli(subparsers: Any) -> None:
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--log-path", default=None)
+    serve.add_argument("--max-lora-rank", type=int, default=None,
+                       help="serve LoRA adapters up to this rank, hot-loaded by the trainer (--lora-rank)")
+    serve.add_argument("--max-loras", type=int, default=4, help="adapters in one batch (with --max-lora-rank)")
     serve.add_argument("--vllm-args", default="", help='extra vLLM flags, one string: "--max-num-seqs 8"')
     serve.set_defaults(func=_cmd_serve)
     env = subparsers.add_parser("vllm-env", help="create the vLLM server environment")
@@ -40,6 +43,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         args.model_dir, port=args.port, host=args.host, max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib, device=args.device, dtype=args.dtype,
         served_model_name=args.served_model_name, log_path=args.log_path, extra_args=extra,
+        max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
     )  # fmt: skip
     ensure_vllm_env(device=server.device)
     # `kill PID` must stop the server too: it runs in its own process group.

@@ -39,6 +39,8 @@ from lightning_middleware.gateway.admin import GatewayAdmin
 
 log = logging.getLogger(__name__)
 
+ADAPTER_CONFIG = "adapter_config.json"  # peft's: a checkpoint holding it is a LoRA adapter folder
+
 # The output-layer probe compares the packed GEMM against x @ W.T for a random x
 # with unit-variance entries; fp32 rounding gives ~1e-5, stale weights give O(1).
 LM_HEAD_TOLERANCE = 1e-2
@@ -84,8 +86,12 @@ class WeightPublisher:
         gateway_token: str | None = None,
         timeout: float = 300.0,
         reset_retries: int = 20,
+        adapter_name: str | None = None,
     ) -> None:
-        """`gateway_token`: the gateway's bearer token (default: $LIGHTNING_GATEWAY_TOKEN)."""
+        """`gateway_token`: the gateway's bearer token (default: $LIGHTNING_GATEWAY_TOKEN).
+        `adapter_name`: the served model name of a LoRA policy; a checkpoint that is an adapter
+        folder is loaded in place under it (no full reload)."""
+        self.adapter_name = adapter_name
         self.server_url = server_root(server_url)
         self.gateway_url = gateway_url.rstrip("/") if gateway_url else None
         self.gateway: GatewayAdmin | None = None
@@ -108,6 +114,9 @@ class WeightPublisher:
         """Swap the weights in ``checkpoint_dir`` (safetensors) in, tagged ``version``."""
         ckpt = str(Path(checkpoint_dir).resolve())
         tag = str(version)
+        adapters = self._adapters_in(Path(ckpt))
+        if adapters:
+            return self._publish_adapters(ckpt, tag, adapters)
         if not any(Path(ckpt).glob("*.safetensors")):  # fail before pausing anything
             raise PublishError(f"no *.safetensors in {ckpt}")
         t: dict[str, float] = {}
@@ -142,6 +151,57 @@ class WeightPublisher:
             reported = _ok(c.get(f"{self.server_url}/weight_info")).json().get("weight_version")
             after = self._rpc(c, "lightning_checksum", {})["checksum"]
         return self._result(ckpt, tag, t, paused_s, total, before, after, info, reported)
+
+    def _adapters_in(self, ckpt: Path) -> list[tuple[str, Path]]:
+        """(served name, folder) of the LoRA adapters a checkpoint holds: itself (under
+        `adapter_name`), or one subfolder per policy (a policy set's checkpoint, by folder name)."""
+        if (ckpt / ADAPTER_CONFIG).is_file():
+            if not self.adapter_name:
+                raise PublishError(f"{ckpt} is a LoRA adapter: give the publisher adapter_name (its served name)")
+            return [(self.adapter_name, ckpt)]
+        return sorted((d.name, d) for d in ckpt.iterdir() if (d / ADAPTER_CONFIG).is_file()) if ckpt.is_dir() else []
+
+    def _publish_adapters(self, ckpt: str, tag: str, adapters: list[tuple[str, Path]]) -> PublishResult:
+        """Load LoRA adapter folders in place by name, all in one pause: the same pause, cache reset,
+        tag and resume as a full swap, but the base weights stay and only the adapters move."""
+        missing = [str(path) for _, path in adapters if not (path / "adapter_model.safetensors").is_file()]
+        if missing:  # fail before pausing anything
+            raise PublishError(f"no adapter_model.safetensors in {', '.join(missing)}")
+        t: dict[str, float] = {}
+        with httpx.Client(timeout=self.timeout) as c:
+            t_start = time.perf_counter()
+            gw_paused = swapped = False
+            engine_paused_at: float | None = None
+            try:
+                if self.gateway is not None:
+                    gateway = self.gateway
+                    _timed(t, "gateway_pause", lambda: gateway.pause(timeout=self.timeout))
+                    gw_paused = True
+                _timed(t, "engine_pause", lambda: _ok(c.post(f"{self.server_url}/pause", params={"mode": "wait"})))
+                engine_paused_at = time.perf_counter()
+                _timed(t, "reload", lambda: [_ok(c.post(f"{self.server_url}/v1/load_lora_adapter", json={
+                    "lora_name": name, "lora_path": str(path), "load_inplace": True})) for name, path in adapters])
+                _timed(t, "reset_cache", lambda: self._reset_prefix_cache(c))
+                _timed(t, "tag", lambda: _ok(c.post(f"{self.server_url}/update_weight_version",
+                                                    json={"new_version": tag})))
+                swapped = True
+            finally:
+                t_resume = time.perf_counter()
+                self._resume(c, gw_paused, _int_tag(tag) if swapped else None)
+                t["resume"] = time.perf_counter() - t_resume
+                paused_s = time.perf_counter() - engine_paused_at if engine_paused_at else 0.0
+            total = time.perf_counter() - t_start
+            reported = _ok(c.get(f"{self.server_url}/weight_info")).json().get("weight_version")
+        problems = () if reported == tag else (f"server reports version {reported!r}, expected {tag!r}",)
+        log.info("published adapters %s from %s as %s in %.3f s (paused %.4f s)",
+                 ", ".join(name for name, _ in adapters), ckpt, tag, total, paused_s)
+        return PublishResult(
+            version=tag, checkpoint_dir=ckpt, gateway_pause_s=t.get("gateway_pause"),
+            engine_pause_s=t["engine_pause"], reload_s=t["reload"], reset_cache_s=t["reset_cache"],
+            tag_s=t["tag"], resume_s=t["resume"], paused_s=paused_s, total_s=total, worker_reload_s=0.0,
+            worker_repack_s=0.0, checksum_before=None, checksum_after=float("nan"), lm_head_max_err=None,
+            reported_version=reported, weights_changed=True, verified=not problems, problems=problems,
+        )  # fmt: skip
 
     def _result(
         self, ckpt: str, tag: str, t: dict[str, float], paused_s: float, total: float,

@@ -83,7 +83,11 @@ class VLLMServer:
         startup_timeout: float = 300.0,
         env: Mapping[str, str] | None = None,
         watchdog: bool = True,
+        max_lora_rank: int | None = None,
+        max_loras: int = 4,
     ) -> None:
+        """`max_lora_rank`: serve LoRA adapters up to this rank, loaded at run time by name
+        (`WeightPublisher(adapter_name=...)`), at most `max_loras` of them in one batch."""
         self.model_dir = Path(model_dir).expanduser().resolve()
         self.host = host
         self.port = port if port is not None else free_port(host)
@@ -99,6 +103,8 @@ class VLLMServer:
         default_log = lightning_home() / "logs" / f"vllm-{self.port}.log"
         self.log_path = Path(log_path) if log_path else default_log
         self.watchdog = watchdog
+        self.max_lora_rank = max_lora_rank
+        self.max_loras = max_loras
         self._proc: subprocess.Popen[bytes] | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -136,6 +142,8 @@ class VLLMServer:
             "--logprobs-mode", "processed_logprobs",
             "--generation-config", "vllm",
         ]  # fmt: skip
+        if self.max_lora_rank:
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
         return cmd + list(self.extra_args)
 
     def start(self) -> VLLMServer:
@@ -151,6 +159,8 @@ class VLLMServer:
         self._tmp = tempfile.TemporaryDirectory(prefix="lightning-vllm-")
         pypath = make_server_pythonpath(Path(self._tmp.name) / "path")
         env = server_env(self.device, self.kv_cache_gib, pypath)
+        if self.max_lora_rank:  # /v1/load_lora_adapter: the trainer hot-loads each new adapter version
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         env.update(self.extra_env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting vLLM on %s for %s (log %s)", self.url, self.model_dir, self.log_path)

@@ -1,0 +1,117 @@
+"""LoRA policies on the real vLLM CPU server: the torch engine's adapter, hot-loaded in place by
+name, changes that adapter's greedy output and no other model's, and vLLM's log-probs of the
+adapter equal the engine's (its own server: LoRA is a start-up flag)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from trainer_backend.serving.publisher import PublishError, WeightPublisher
+from trainer_backend.serving.server import VLLMServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+BASE, RANK = "tiny", 8
+PROMPT = [5, 17, 42, 99, 7]  # token IDs: no tokenizer round trip in the comparison
+
+
+@pytest.fixture(scope="module")
+def lora_server(vllm_python: Path, tied_checkpoints, tmp_path_factory) -> Iterator[VLLMServer]:
+    server = VLLMServer(tied_checkpoints.base, python=vllm_python, dtype="float32", served_model_name=BASE,
+                        log_path=tmp_path_factory.mktemp("vllm-lora") / "server.log", max_lora_rank=RANK,
+                        max_loras=2)
+    with server:
+        yield server
+
+
+def _complete(server: VLLMServer, model: str, n: int = 8) -> tuple[list[int], list[float]]:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": n, "temperature": 0, "logprobs": 0,
+            "return_token_ids": True}
+    resp = httpx.post(f"{server.base_url}/completions", json=body, timeout=120).raise_for_status()
+    choice = resp.json()["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def _row(completion: list[int]):
+    from lightning_middleware.rows import Row
+
+    ids = (*PROMPT, *completion)
+    return Row(rollout_id="r", task_id="t", agent=None, input_ids=ids,
+               loss_mask=(0,) * len(PROMPT) + (1,) * len(completion), behaviour_logprobs=None, advantage=1.0)
+
+
+def test_an_adapter_swap_changes_that_adapter_only(lora_server, tied_checkpoints, tmp_path):
+    from trainer_backend.engines.lora import AdapterConfig
+    from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig
+
+    torch.manual_seed(0)
+    engine = TorchEngine(tied_checkpoints.base, TorchEngineConfig(lr=5e-2, precision="fp32", grad_clip=None,
+                                                                  lora=AdapterConfig(rank=RANK)))
+    publisher = WeightPublisher(lora_server.url, adapter_name="coder")
+    first = publisher.publish(engine.save(tmp_path / "v0"), 0)
+    assert first.verified and first.reported_version == "0"
+    base_tokens, _ = _complete(lora_server, BASE)
+    assert _complete(lora_server, "coder")[0] == base_tokens  # a new adapter (B = 0) is the base
+
+    target = [t for t in range(300, 308)]  # teach the adapter a continuation the base does not produce
+    for _ in range(15):
+        engine.step([_row(target)])
+    swap = publisher.publish(engine.save(tmp_path / "v1"), 1)
+    assert swap.verified and swap.reported_version == "1"
+    tokens, logprobs = _complete(lora_server, "coder")
+    assert tokens != base_tokens  # the adapter moved (toward the target; exactly what it learned is checked below)
+    assert _complete(lora_server, BASE)[0] == base_tokens  # the base and other policies are untouched
+    ours = engine.token_logprobs([_row(tokens)])[0][len(PROMPT):]
+    assert max(abs(a - b) for a, b in zip(ours, logprobs)) < 1e-4  # vLLM serves exactly what was trained
+
+
+def test_an_adapter_checkpoint_needs_the_adapters_name(lora_server, tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(PublishError, match="adapter_name"):
+        WeightPublisher(lora_server.url).publish(tmp_path, 3)
+
+
+def test_a_policy_set_publishes_every_adapter_and_a_restart_restores_the_committed_ones(lora_server, tied_checkpoints,
+                                                                                        tmp_path):
+    """Two policies on one server: training the coder changes the coder's answers only; a crash that
+    left a newer, uncommitted coder adapter loaded is undone by the restart's republish."""
+    from trainer_backend.engines.lora import AdapterConfig
+    from trainer_backend.engines.policies import PolicySet
+    from trainer_backend.engines.torch_engine import TorchEngineConfig
+
+    torch.manual_seed(0)
+    policies = PolicySet(tied_checkpoints.base, ["coder", "reviewer"], TorchEngineConfig(
+        lr=5e-2, precision="fp32", grad_clip=None, lora=AdapterConfig(rank=RANK)))
+    publisher = WeightPublisher(lora_server.url)
+    assert publisher.publish(policies.save(tmp_path / "v0"), 0).verified
+    base_tokens, _ = _complete(lora_server, BASE)
+    assert _complete(lora_server, "coder")[0] == _complete(lora_server, "reviewer")[0] == base_tokens
+
+    coder_row = [dataclasses.replace(_row(list(range(300, 308))), policy="coder")]
+    for _ in range(15):
+        policies.step(coder_row)
+    committed = policies.save(tmp_path / "v1")
+    assert publisher.publish(committed, 1).verified
+    coder_tokens, coder_logprobs = _complete(lora_server, "coder")
+    assert coder_tokens != base_tokens and _complete(lora_server, "reviewer")[0] == base_tokens
+    ours = policies.engines["coder"].token_logprobs([_row(coder_tokens)])[0][len(PROMPT):]
+    assert max(abs(a - b) for a, b in zip(ours, coder_logprobs)) < 1e-4
+
+    for _ in range(10):  # a step that saved and began to publish, then the trainer died: coder only
+        policies.step([dataclasses.replace(_row(list(range(400, 408))), policy="coder")])
+    uncommitted = policies.save(tmp_path / "v2")
+    httpx.post(f"{lora_server.url}/v1/load_lora_adapter", timeout=60,
+               json={"lora_name": "coder", "lora_path": str(uncommitted / "coder"), "load_inplace": True}
+               ).raise_for_status()
+    assert _complete(lora_server, "coder")[0] != coder_tokens
+    publisher.publish(committed, 1)  # what the restarted trainer does with its last committed checkpoint
+    assert _complete(lora_server, "coder")[0] == coder_tokens
+    assert _complete(lora_server, "reviewer")[0] == base_tokens
