@@ -151,6 +151,17 @@ class LLMCall:
 
 @dataclass(frozen=True)
 class Reward:
+    """One reward event of a rollout.
+
+    `final` ones set the rollout's `final_reward` (the number the trainer trains on) while no
+    trainer has claimed or consumed the rollout. `call_index` ties a per-step reward to one call
+    (turn) of the rollout; such a reward is never final. `config_hash` names the reward
+    configuration a component or combined reward was computed under (`lightning_middleware.rewards`);
+    None for a reward reported as it is. `agent` names the agent of a multi-agent rollout the
+    reward is for (e.g. "reviewer"): a final one is that agent's reward
+    (`TraceStore.agent_rewards`) and never moves the rollout's `final_reward`.
+    """
+
     rollout_id: str
     value: float
     name: str | None = None
@@ -158,6 +169,20 @@ class Reward:
     created_at: float = 0.0
     metadata: dict[str, Any] = field(default_factory=dict)
     id: int | None = None
+    call_index: int | None = None
+    config_hash: str | None = None
+    agent: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.call_index is not None and self.final:
+            raise ValueError("a per-step reward (call_index set) cannot be final: pass final=False")
+        if self.agent is not None and (not isinstance(self.agent, str) or not self.agent or len(self.agent) > 128):
+            raise ValueError(f"a reward's agent must be a non-empty name of at most 128 characters, got {self.agent!r}")
+
+    @property
+    def sets_final_reward(self) -> bool:
+        """Whether this reward is a candidate for the rollout's `final_reward` (a rollout-level final one)."""
+        return self.final and self.agent is None
 
 
 @dataclass(frozen=True)

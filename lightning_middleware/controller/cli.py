@@ -28,6 +28,8 @@ def add_cli(sub: Any) -> None:
         q.add_argument("--retries", type=int, default=2, help="extra attempts after an infrastructure error")
         q.add_argument("--workers", type=int, default=None, help="worker processes / Ray actors")
         q.add_argument("--ray-address", default=None, help="existing Ray cluster (default: start a local runtime)")
+        q.add_argument("--rewards", default=None, metavar="FILE",
+                       help="a reward configuration (TOML/JSON) each rollout is scored under (docs/rewards.md)")
 
     r = cmds.add_parser("run", help="n samples per task (mode train or val)")
     common(r)
@@ -61,7 +63,7 @@ def _controller_from(args: Any) -> RolloutController:
     sys.path.insert(0, os.getcwd())
     return RolloutController(args.agent, store=args.store, backend=args.backend, concurrency=args.concurrency,
                              timeout_s=args.timeout, retry=RetryPolicy(max_attempts=1 + max(0, args.retries)),
-                             workers=args.workers, ray_address=args.ray_address)
+                             workers=args.workers, ray_address=args.ray_address, rewards=args.rewards)
 
 
 def _cli_run(args: Any) -> int:

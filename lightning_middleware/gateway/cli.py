@@ -44,6 +44,8 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--no-translate", action="store_true",
                    help="send /v1/responses and /v1/messages upstream as they are (replicas that speak those "
                         "formats; no token IDs) instead of as chat completions")
+    p.add_argument("--rewards", default=None, metavar="FILE",
+                   help="a reward configuration (TOML/JSON) each rollout is scored under as it finishes")
     p.set_defaults(func=run_cli)
 
 
@@ -72,7 +74,7 @@ def run_cli(args: argparse.Namespace) -> int:
                      health_interval_s=args.health_interval, retry_window_s=args.retry_window,
                      policy_version=args.policy_version, record_unattached=not args.no_record_unattached,
                      translate=not args.no_translate, policies=_policies(args.policy),
-                     default_policy=args.default_policy)
+                     default_policy=args.default_policy, rewards=args.rewards)
     except (GatewayConfigError, ValueError) as exc:
         log.error("%s", exc)
         return 2

@@ -61,6 +61,7 @@ from lightning_middleware.gateway.responses import Full, Scope, Send, StreamResp
 from lightning_middleware.gateway.translation import TranslatedCall, in_format, translate_call
 from lightning_middleware.gateway.upstreams import Upstream, UpstreamPool
 from lightning_middleware.records import new_id
+from lightning_middleware.rewards import RewardConfig, Scorer, load_config
 from lightning_middleware.store import TraceStore, get_store
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,10 @@ class Gateway:
         translate: bool = True,
         policies: Mapping[str, str] | None = None,
         default_policy: str | None = None,
+        rewards: RewardConfig | Scorer | str | None = None,
     ) -> None:
+        """`rewards`: a reward configuration (or its TOML/JSON file) every rollout is scored under
+        as it finishes (docs/rewards.md)."""
         if isinstance(upstreams, str):
             upstreams = [upstreams]
         if not upstreams:
@@ -129,7 +133,9 @@ class Gateway:
         self.replay = ReplayCache(retry_window_s=retry_window_s, idempotency_ttl_s=idempotency_ttl_s,
                                   max_entries=max_cached_responses,
                                   max_wait_s=upstream_timeout_s + pause_wait_s + 30)
-        self.rollouts = RolloutRegistry(self.store, finish_wait_s=upstream_timeout_s)
+        scorer = rewards if isinstance(rewards, Scorer) or rewards is None else Scorer(
+            rewards if isinstance(rewards, RewardConfig) else load_config(rewards))
+        self.rollouts = RolloutRegistry(self.store, finish_wait_s=upstream_timeout_s, scorer=scorer)
         if policy_version is None:  # continue from the newest checkpoint the trainer recorded
             try:
                 policy_version = self.store.latest_policy_version()

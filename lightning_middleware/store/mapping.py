@@ -216,7 +216,8 @@ def reward_row(reward: Reward) -> dict[str, Any]:
     return {
         "rollout_id": reward.rollout_id, "value": float(reward.value), "name": reward.name,
         "final": bool(reward.final), "created_at": reward.created_at or time.time(),
-        "metadata": reward.metadata or None,
+        "metadata": reward.metadata or None, "call_index": reward.call_index, "config_hash": reward.config_hash,
+        "agent": reward.agent,
     }
 
 
@@ -225,4 +226,5 @@ def reward_record(row: sa.Row) -> Reward:
     return Reward(
         id=m["id"], rollout_id=m["rollout_id"], value=m["value"], name=m["name"],
         final=bool(m["final"]), created_at=m["created_at"], metadata=m["metadata"] or {},
+        call_index=m["call_index"], config_hash=m["config_hash"], agent=m["agent"],
     )

@@ -83,7 +83,8 @@ async def test_agents_sdk_default_responses_model_trains(default_client, store: 
     config = TrainerConfig(checkpoint_dir=str(tmp_path / "ckpt"), trainer_id="trainer-fmt", poll_interval_s=0.05,
                            group=GroupPolicy(group_size=len(REWARDS), groups_per_step=1,
                                              min_group_size=len(REWARDS)))
-    [step] = TrainerDaemon(store, engine, config).run(max_steps=1)
+    with TrainerDaemon(store, engine, config) as daemon:  # closed: its lease thread ends with the test
+        [step] = daemon.run(max_steps=1)
 
     m = step.metrics
     assert step.step == 1 and step.policy_version == 1 and store.latest_policy_version() == 1

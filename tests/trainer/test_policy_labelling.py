@@ -59,10 +59,27 @@ def test_groups_are_task_and_policy_a_policy_absent_from_a_rollout_is_not_in_its
     assert adv[("a", "coder")] > 0 > adv[("b", "coder")]
 
 
-def test_one_policy_playing_two_rewarded_agents_gets_their_mean():
-    rows = [_row("a", "t", "coder", "p"), _row("a", "t", "tester", "p")]
-    got = policy_rollouts(ROLLOUTS, rows, {"a": {"coder": 1.0, "tester": 0.0}})
-    assert [(r.id, r.final_reward) for r in got] == [("a", 0.5)]
+def test_one_policy_playing_two_rewarded_roles_keeps_each_roles_baseline_apart():
+    # a shared policy: each role's rows are labelled with its own reward against the same role
+    rows = [_row("a", "t", "coder", "p"), _row("a", "t", "tester", "p"),
+            _row("b", "t", "coder", "p"), _row("b", "t", "tester", "p")]
+    rewards = {"a": {"coder": 1.0, "tester": 0.0}, "b": {"coder": 0.0, "tester": 1.0}}
+    labelled = label("grpo", ROLLOUTS, rows, parts={"p": rows}, agent_rewards=rewards)
+    adv = {(r.rollout_id, r.agent): r.advantage for r in labelled}
+    assert adv[("a", "coder")] > 0 > adv[("b", "coder")]
+    assert adv[("a", "tester")] < 0 < adv[("b", "tester")]
+    got = policy_rollouts(ROLLOUTS, rows[:2], "tester", rewards)
+    assert [(r.id, r.final_reward) for r in got] == [("a", 0.0)]
+
+
+def test_an_unrewarded_agent_of_a_policy_keeps_the_rollout_reward():
+    rows = [_row("a", "t", "coder", "p"), _row("a", "t", "planner", "p"),
+            _row("b", "t", "coder", "p"), _row("b", "t", "planner", "p")]
+    rewards = {"a": {"coder": 0.0}, "b": {"coder": 1.0}}  # rollout rewards: a 1.0, b 0.0
+    adv = {(r.rollout_id, r.agent): r.advantage
+           for r in label("grpo", ROLLOUTS, rows, parts={"p": rows}, agent_rewards=rewards)}
+    assert adv[("a", "coder")] < 0 < adv[("b", "coder")]
+    assert adv[("a", "planner")] > 0 > adv[("b", "planner")]
 
 
 def test_one_policy_labels_the_batch_as_a_whole():

@@ -2,10 +2,12 @@
 
 With one policy the batch is labelled as a whole (groups are tasks). With separate policies
 per agent each policy is labelled on its own rows, so its groups are (task, policy): the
-rollouts of one task in which that policy acted. The reward a policy sees for a rollout is
-the per-agent reward of its agents in that rollout (their mean, if one policy plays several
-agents that were rewarded), else the rollout's reward: a rollout-level reward applies to every
-policy that acted in it unless a per-agent reward exists.
+rollouts of one task in which that policy acted, rewarded with the rollout's reward. An agent
+with its own rewards (`emit_reward(v, agent=...)`) is its own group within its policy: its
+rows are labelled with its reward against the same agent in the other rollouts of the task.
+So a rollout-level reward applies to every policy that acted in the rollout unless a
+per-agent reward exists, and one policy playing two rewarded roles (a shared policy) keeps
+each role's baseline apart.
 """
 
 from __future__ import annotations
@@ -27,27 +29,34 @@ def label(name: str, rollouts: Sequence[Rollout], rows: Sequence[Row], *, level:
     `agent_rewards` is rollout id -> agent name -> reward (the store's per-agent rewards)."""
     if parts is None:
         return _label_one(name, rollouts, rows, level)
+    rewarded = {agent for given in (agent_rewards or {}).values() for agent in given}
     out: list[Row] = []
     for policy_rows in parts.values():
-        out.extend(_label_one(name, policy_rollouts(rollouts, policy_rows, agent_rewards or {}),
-                              policy_rows, level))
+        for agent, agent_rows in _by_rewarded_agent(policy_rows, rewarded).items():
+            out.extend(_label_one(name, policy_rollouts(rollouts, agent_rows, agent, agent_rewards or {}),
+                                  agent_rows, level))
     return out
 
 
-def policy_rollouts(rollouts: Sequence[Rollout], rows: Sequence[Row],
+def policy_rollouts(rollouts: Sequence[Rollout], rows: Sequence[Row], agent: str | None,
                     agent_rewards: Mapping[str, Mapping[str, float]]) -> list[Rollout]:
-    """The rollouts in which one policy acted (`rows` are its rows), each with the reward that
-    policy is trained on as `final_reward`."""
-    agents: dict[str, set[str]] = {}
-    for row in rows:
-        agents.setdefault(row.rollout_id, set()).add(row.agent or "")
+    """The rollouts `rows` come from, each with the reward they are trained on as `final_reward`:
+    `agent`'s own reward where it has one, else the rollout's."""
+    ids = {row.rollout_id for row in rows}
     out = []
     for r in rollouts:
-        if r.id not in agents:
+        if r.id not in ids:
             continue
         given = agent_rewards.get(r.id, {})
-        values = [given[a] for a in sorted(agents[r.id]) if a in given]
-        out.append(dataclasses.replace(r, final_reward=sum(values) / len(values)) if values else r)
+        out.append(dataclasses.replace(r, final_reward=given[agent]) if agent is not None and agent in given else r)
+    return out
+
+
+def _by_rewarded_agent(rows: Sequence[Row], rewarded: set[str]) -> dict[str | None, list[Row]]:
+    """A policy's rows: those of each agent with its own rewards apart, the rest together (None)."""
+    out: dict[str | None, list[Row]] = {}
+    for row in rows:
+        out.setdefault(row.agent if row.agent in rewarded else None, []).append(row)
     return out
 
 

@@ -74,6 +74,8 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--policies": ("lora.policies", lambda text: tuple(n for n in text.split(",") if n),
                    "separate LoRA policies, comma-separated served names (e.g. coder,reviewer)"),
     "--default-policy": ("lora.default_policy", str, "the policy that trains calls of any other model"),
+    "--reward-version": ("rewards.version", str, "train on the final reward of this reward configuration's hash "
+                                                 "(lightning-mw rewards check/rescore print it)"),
     "--precision": ("engine.precision", str, "auto (bf16 where native and faster, else fp32) | fp32 | bf16 | "
                                              "bf16-autocast"),
     "--micro-batch-tokens": ("engine.micro_batch_tokens", int, "padded tokens per micro-batch"),

@@ -156,6 +156,21 @@ class MonitorSettings(_Section):
     grad_spike: float = Field(10.0, gt=1)
 
 
+class RewardSettings(_Section):
+    # a reward configuration's hash: train on the final reward stored under it (a rescore's version)
+    version: str | None = None
+    wait_for: dict[str, float] = Field(default_factory=dict)  # component -> seconds after the rollout ended
+    on_deadline: Literal["train_without", "skip"] = "train_without"
+
+    @field_validator("wait_for")
+    @classmethod
+    def _deadlines(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: s for k, s in v.items() if s < 0}
+        if bad:
+            raise ValueError(f"deadlines must be seconds >= 0, got {bad}")
+        return v
+
+
 class TrainerSettings(_Section):
     run: RunSettings = RunSettings()
     group: GroupSettings = GroupSettings()
@@ -168,6 +183,7 @@ class TrainerSettings(_Section):
     engine: EngineSettings = EngineSettings()
     eval: EvalSettings = EvalSettings()
     monitor: MonitorSettings = MonitorSettings()
+    rewards: RewardSettings = RewardSettings()
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerSettings:
@@ -223,7 +239,7 @@ class TrainerSettings(_Section):
             for key, value in values.items():
                 if value is None and fields[key].default is None:
                     continue
-                lines.append(f"{key} = {json.dumps(0 if value is None else value)}")
+                lines.append(f"{key} = {_toml_value(0 if value is None else value)}")
             lines.append("")
         return "\n".join(lines)
 
@@ -264,6 +280,7 @@ class TrainerSettings(_Section):
 
     def trainer_config(self) -> Any:
         from trainer_backend.daemon.monitoring import HealthConfig
+        from trainer_backend.daemon.reward_gate import RewardPolicy
         from trainer_backend.daemon.trainer_daemon import GroupPolicy, TrainerConfig
         from trainer_backend.daemon.validation import EvalPolicy
 
@@ -281,7 +298,15 @@ class TrainerSettings(_Section):
                               group_timeout_s=g.timeout_s, skip_uniform=not trains_uniform_groups(a.name)),
             health=HealthConfig(enabled=m.health_checks, entropy_floor=m.entropy_floor, kl_limit=m.kl_limit,
                                 grad_spike=m.grad_spike),
-            eval=policy)
+            eval=policy, rewards=RewardPolicy(version=self.rewards.version, wait_for=dict(self.rewards.wait_for),
+                                              on_deadline=self.rewards.on_deadline))
+
+
+def _toml_value(value: Any) -> str:
+    """A scalar as JSON (the same text in TOML); a table inline, `{ "key" = value }`."""
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items()) + " }"
+    return json.dumps(value)
 
 
 def _describe(exc: ValidationError, path: str | Path | None) -> str:

@@ -46,6 +46,7 @@ from lightning_middleware.rows import RowStats, build_rows_for_rollouts
 from lightning_middleware.store import LeaseLost, StoreError, get_store
 from trainer_backend.algorithms import labelling, registry
 from trainer_backend.daemon.monitoring import HealthChecks, HealthConfig
+from trainer_backend.daemon.reward_gate import RewardGate, RewardPolicy
 from trainer_backend.daemon.validation import EvalPolicy, PeriodicEvaluation, protected_checkpoints
 from trainer_backend.engines.base import Engine, Publisher, RoutesRows
 
@@ -80,6 +81,7 @@ class TrainerConfig:
     group: GroupPolicy = field(default_factory=GroupPolicy)
     health: HealthConfig = field(default_factory=HealthConfig)
     eval: EvalPolicy | None = None  # held-out evaluation every N steps, best checkpoint, early stopping
+    rewards: RewardPolicy = field(default_factory=RewardPolicy)  # reward version, late components (reward_gate)
 
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
@@ -118,6 +120,7 @@ class TrainerDaemon:
         self._stop = threading.Event()
         self._closed = threading.Event()
         self.health = HealthChecks(config.health)
+        self.rewards = RewardGate(self.store, config.rewards)
         self.evaluation = (PeriodicEvaluation(config.eval, self.store, config.checkpoint_dir)
                            if config.eval is not None else None)
         # One live run per trainer id (refused otherwise): a second daemon of the same id would
@@ -210,7 +213,11 @@ class TrainerDaemon:
         """Claim the next batch, or None if not enough usable groups are ready yet."""
         g = self.config.group
         trainable: list[tuple[list[Rollout], list[Rollout]]] = []  # (group members, usable members)
-        for members in self._ready_groups():
+        for ready in self._ready_groups():
+            reviewed = self.rewards.review(ready)
+            if reviewed is None:  # a configured component is still to come: the group waits
+                continue
+            members = reviewed
             usable, reasons = self._filter(members)
             if g.skip_uniform and len({r.final_reward for r in usable}) == 1:
                 reasons["uniform_reward"] += len(usable)
@@ -265,6 +272,8 @@ class TrainerDaemon:
     def _skip(self, rollouts: Sequence[Rollout], reasons: Counter[str]) -> None:
         if rollouts:
             self.store.skip_rollouts([r.id for r in rollouts], self.config.trainer_id)
+        for r in rollouts:
+            self.rewards.reasons.pop(r.id, None)
         self._skipped_since_step.update(reasons)
         self.skipped_total.update(reasons)
         if reasons:
@@ -279,7 +288,7 @@ class TrainerDaemon:
             if r.status not in self.config.group.statuses:
                 reasons[f"status_{r.status}"] += 1
             elif r.final_reward is None:
-                reasons["no_reward"] += 1
+                reasons[self.rewards.reasons.get(r.id, "no_reward")] += 1
             elif self._too_stale(r, current):
                 reasons["stale"] += 1
             else:
@@ -405,6 +414,7 @@ class TrainerDaemon:
             "step_time_s": t_total,
             **{f"rows_{k}": v for k, v in row_stats.as_dict().items()},
             **{f"skipped_{k}": v for k, v in skipped.items()},
+            **self.rewards.step_metrics(rollouts),
             **publish,
         }
 

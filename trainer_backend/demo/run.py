@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class DemoConfig:
     out_dir: str = "runs/demo"
+    task: str = "guess"  # guess | team (demo/team.py: two LangGraph agents, a LoRA policy each)
+    shared_policy: bool = False  # team: one adapter for both roles, for comparison
     seed: int = 0  # RL: train/eval task draws (vLLM sampling itself is not seeded, see make_agent)
     warm_start_seed: int = 0  # the warm start (tokenizer, init, SFT order); shared by RL seeds, cached
     minutes: float = 10.0  # RL wall-clock budget (evaluations and startup not included); a cap with max_steps
@@ -178,20 +180,12 @@ class DemoRun:
     def train(self) -> None:
         import torch
 
-        from trainer_backend.algorithms.grpo import LossConfig
-        from trainer_backend.engines.torch_config import TorchEngineConfig
-
         cfg, store, controller = self.cfg, self.store, self.controller
         assert store is not None and controller is not None and self.server is not None and self.model_dir
         # async: one trainer thread, the other core samples; sync: vLLM idles while the trainer
         # runs, so torch's default (all cores). As measured in docs/benchmarks.md.
         torch.set_num_threads(cfg.threads or (1 if cfg.mode == "async" else (os.cpu_count() or 1)))
-        # fp32 on every CPU kind: the recipe was tuned in fp32, and RL's probability ratios
-        # compare against vLLM's fp32 log-probs.
-        engine = self._engine(TorchEngineConfig(
-            lr=lr_at(cfg, 1, 0.0), freeze_embeddings=True, precision="fp32",
-            loss=_loss_of(cfg.algo, LossConfig(clip_low=cfg.clip, clip_high=cfg.clip, dual_clip_c=cfg.dual_clip)),
-            **_extras_of(cfg)))
+        engine = self._engine(self._engine_config())
         daemon = self.daemon = TrainerDaemon(
             store, engine,
             TrainerConfig(checkpoint_dir=str(self.out / "checkpoints"), mode=cfg.mode, max_staleness=cfg.max_staleness,
@@ -219,6 +213,18 @@ class DemoRun:
         self.results.update(curve=curve, steps=len(curve), trained_rollouts=int(sum(c["rollouts"] for c in curve)),
                             skipped_total=dict(daemon.skipped_total))
 
+    def _engine_config(self) -> TorchEngineConfig:
+        """fp32 on every CPU kind: the recipe was tuned in fp32, and RL's probability ratios
+        compare against vLLM's fp32 log-probs."""
+        from trainer_backend.algorithms.grpo import LossConfig
+        from trainer_backend.engines.torch_config import TorchEngineConfig
+
+        cfg = self.cfg
+        return TorchEngineConfig(
+            lr=lr_at(cfg, 1, 0.0), freeze_embeddings=True, precision="fp32",
+            loss=_loss_of(cfg.algo, LossConfig(clip_low=cfg.clip, clip_high=cfg.clip, dual_clip_c=cfg.dual_clip)),
+            **_extras_of(cfg))
+
     def _engine(self, config: TorchEngineConfig) -> TorchEngine | PolicySet:
         """The training engine: the whole model here (the team task: a set of LoRA policies)."""
         from trainer_backend.engines.torch_engine import TorchEngine
@@ -245,7 +251,7 @@ class DemoRun:
         plot_curve(res, self.out / "reward_curve.png")
         say(f"\nheld-out success, sampled (T=1): {before['sampled']['success']:.1%} -> "
             f"{after['sampled']['success']:.1%} ({100 * gain:+.1f} pp)")
-        if cfg.greedy:
+        if "greedy" in before:
             say(f"held-out success, greedy:        {before['greedy']['success']:.1%} -> "
                 f"{after['greedy']['success']:.1%}")
         say(f"{res['steps']} steps, {res['trained_rollouts']} rollouts trained in {self.timings['rl_s'] / 60:.1f} min; "
