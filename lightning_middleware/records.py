@@ -97,6 +97,12 @@ class LLMCall:
     Choice 0 of the response is `completion_token_ids` / `logprobs` / `finish_reason`;
     the other choices of a request with `n` > 1 are `extra_choices`, in index order.
     `choices` is all of them, choice 0 first.
+
+    A call whose caller spoke another format (the Responses API, Anthropic Messages) was sent
+    to the engine translated into chat completions: `request` and `response` are the chat
+    request and answer the engine saw (so rows, sampling and analysis read it like any chat
+    call), `source_format` names the caller's format and `source_request` is what the caller
+    sent (`lightning_middleware.formats`).
     """
 
     id: str
@@ -122,6 +128,8 @@ class LLMCall:
     policy_version: int | None = None
     request_hash: str | None = None
     extra_choices: tuple[Choice, ...] = ()
+    source_format: str | None = None  # "responses" | "anthropic.messages"; None: the caller spoke chat
+    source_request: dict[str, Any] | None = None
 
     @property
     def has_token_ids(self) -> bool:

@@ -43,6 +43,9 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--default-policy", default=None, metavar="MODEL",
                    help="the served model for calls of every other agent (default: as the request says)")
     p.add_argument("--no-record-unattached", action="store_true", help="don't record calls outside rollouts")
+    p.add_argument("--no-translate", action="store_true",
+                   help="send /v1/responses and /v1/messages upstream as they are (replicas that speak those "
+                        "formats; no token IDs) instead of as chat completions")
     p.add_argument("--rewards", default=None, metavar="FILE",
                    help="a reward configuration (TOML/JSON) each rollout is scored under as it finishes")
     p.set_defaults(func=run_cli)
@@ -73,8 +76,8 @@ def run_cli(args: argparse.Namespace) -> int:
                      pause_wait_s=args.pause_wait, upstream_timeout_s=args.upstream_timeout,
                      health_interval_s=args.health_interval, retry_window_s=args.retry_window,
                      policy_version=args.policy_version, record_unattached=not args.no_record_unattached,
-                     policies=_policies(args.policy), default_policy=args.default_policy,
-                     rewards=args.rewards)
+                     translate=not args.no_translate, policies=_policies(args.policy),
+                     default_policy=args.default_policy, rewards=args.rewards)
     except (GatewayConfigError, ValueError) as exc:
         log.error("%s", exc)
         return 2

@@ -11,6 +11,7 @@ from lightning_middleware.capture import (
     ROLLOUT_HEADER,
     CaptureSettings,
     RolloutState,
+    Source,
     attempt_of,
     begin_call,
 )
@@ -35,6 +36,9 @@ DROP_REQUEST_HEADERS = frozenset({
     "proxy-authorization", "proxy-connection", "authorization", "cookie", "x-api-key", "api-key",
     "idempotency-key", ROLLOUT_HEADER, AGENT_HEADER, "accept-encoding", "expect",
 })
+# The record's endpoint for each upstream path (responses / messages: sent untranslated).
+ENDPOINTS = {"chat/completions": "chat.completions", "completions": "completions", "responses": "responses",
+             "messages": "anthropic.messages"}
 
 
 class Forwarder:
@@ -78,7 +82,7 @@ class Forwarder:
 
     async def forward(self, pairs: list[tuple[str, str]], headers: dict[str, str], path: str, raw: bytes,
                       payload: dict[str, Any], rollout_id: str | None, state: RolloutState | None,
-                      version: int | None) -> Upstreamed:
+                      version: int | None, source: Source | None = None) -> Upstreamed:
         """Record and send the call to a replica (sticky per rollout; the next one if it can't be reached)."""
         if self.session is None:
             await self.open()
@@ -91,7 +95,7 @@ class Forwarder:
             auth = headers.get("authorization")  # a transparent proxy: the upstream's own key
         if auth:
             out.append(("authorization", auth))
-        endpoint = "chat.completions" if path == "chat/completions" else "completions"
+        endpoint = ENDPOINTS[path]
         tried: set[int] = set()
         while True:
             up = self.pool.pick(rollout_id, tried)
@@ -103,7 +107,8 @@ class Forwarder:
             tried.add(up.index)
             try:  # every attempt is recorded; recording never fails the call
                 pending, new_body = begin_call(self.capture, endpoint, payload, raw, state, up.host,  # type: ignore[arg-type]
-                                               agent_name=headers.get(AGENT_HEADER), attempt=attempt_of(headers))
+                                               agent_name=headers.get(AGENT_HEADER), attempt=attempt_of(headers),
+                                               source=source)
             except Exception:
                 log.exception("capture failed before sending; forwarding unrecorded")
                 pending, new_body = None, None

@@ -100,7 +100,10 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-PROXY_SUFFIXES = (("/v1/chat/completions", "chat/completions"), ("/v1/completions", "completions"))
+# (path suffix, upstream path). Responses and Anthropic Messages are translated to chat completions
+# (gateway/translation.py) unless the gateway runs with translate=False.
+PROXY_SUFFIXES = (("/v1/chat/completions", "chat/completions"), ("/v1/completions", "completions"),
+                  ("/v1/responses", "responses"), ("/v1/messages", "messages"))
 
 
 def proxy_paths() -> list[str]:

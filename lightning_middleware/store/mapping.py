@@ -62,6 +62,33 @@ def _json_text(value: Any) -> str | None:
 EXTRA_CHOICES_KEY = "lightning_extra_choices"
 
 
+# The request a translated call's caller sent (`LLMCall.source_format` / `source_request`: a
+# Responses API or Anthropic Messages request, sent to the engine as chat completions) is kept
+# inside the request JSON under this key, for the same reasons as the extra choices: no migration,
+# and the chat request beside it stays what every reader of `request` expects.
+SOURCE_KEY = "lightning_source"
+
+
+def _request_text(call: LLMCall) -> str | None:
+    if call.source_format is None:
+        return _json_text(call.request)
+    source = {"format": call.source_format, "request": call.source_request}
+    return fastjson.dumps_stored({**(call.request or {}), SOURCE_KEY: source})
+
+
+def split_request(stored: Any) -> tuple[dict[str, Any], str | None, dict[str, Any] | None]:
+    """A stored request JSON as (the chat request, the caller's format, the caller's request)."""
+    if not isinstance(stored, dict) or SOURCE_KEY not in stored:
+        return stored or {}, None, None
+    request = {k: v for k, v in stored.items() if k != SOURCE_KEY}
+    source = stored[SOURCE_KEY]
+    if not isinstance(source, dict) or not isinstance(source.get("format"), str):
+        log.warning("a stored request's source is unreadable; reading the call without it")
+        return request, None, None
+    original = source.get("request")
+    return request, source["format"], original if isinstance(original, dict) else None
+
+
 def _response_text(call: LLMCall) -> str | None:
     if not call.extra_choices:
         return _json_text(call.response)
@@ -115,7 +142,7 @@ def call_tuple(call: LLMCall) -> tuple[Any, ...]:
     return (
         call.id, call.rollout_id, call.call_index, call.attempt, call.endpoint,
         fit_text(call.model, _LIMITS["model"]), fit_text(call.agent_name, _LIMITS["agent_name"]),
-        _json_text(call.request), _response_text(call),
+        _request_text(call), _response_text(call),
         pack_ints(prompt) if prompt else None, pack_ints(completion) if completion else None,
         pack_floats(call.logprobs), fit_text(call.finish_reason, _LIMITS["finish_reason"]), call.status_code,
         bool(call.stream), bool(call.partial), bool(call.is_training), fit_text(call.error),
@@ -134,6 +161,7 @@ if _CALL_ORDER != CALL_COLUMNS:  # a column added to the schema needs its place 
 def call_record(row: sa.Row) -> LLMCall:
     m = row._mapping
     response, extras = split_response(m["response"])
+    request, source_format, source_request = split_request(m["request"])
     return LLMCall(
         id=m["id"],
         rollout_id=m["rollout_id"],
@@ -142,7 +170,7 @@ def call_record(row: sa.Row) -> LLMCall:
         endpoint=m["endpoint"],
         model=m["model"],
         agent_name=m["agent_name"],
-        request=m["request"] or {},
+        request=request,
         response=response,
         prompt_token_ids=unpack_ints(m["prompt_token_ids"]),
         completion_token_ids=unpack_ints(m["completion_token_ids"]),
@@ -158,6 +186,8 @@ def call_record(row: sa.Row) -> LLMCall:
         policy_version=m["policy_version"],
         request_hash=m["request_hash"],
         extra_choices=extras,
+        source_format=source_format,
+        source_request=source_request,
     )
 
 

@@ -33,13 +33,18 @@ PUBLIC = {("GET", "/health"), ("HEAD", "/health"), ("GET", "/review"), ("HEAD", 
 # Must be among the walked routes: the walk cannot silently miss what the issue names.
 WRITES = {("POST", "/rollouts"), ("POST", "/rollouts/{rid}/reward"), ("POST", "/rollouts/{rid}/finish"),
           ("POST", "/rollouts/{rid}/fail"), ("POST", "/admin/pause"), ("POST", "/admin/resume"),
-          ("GET", "/admin/state"), ("POST", "/v1/chat/completions"), ("POST", "/rollouts/{rid}/v1/completions")}
+          ("GET", "/admin/state"), ("POST", "/v1/chat/completions"), ("POST", "/rollouts/{rid}/v1/completions"),
+          ("POST", "/v1/responses"), ("POST", "/rollouts/{rid}/v1/messages")}
 LOOPBACK, OFF_LOOPBACK = ("127.0.0.1", 50000), ("203.0.113.7", 40000)  # the latter: TEST-NET-3, another machine
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "what is 2+2?"}], "max_tokens": 8}
 COMPLETION = {"model": "m", "prompt": "hello", "max_tokens": 8}
+RESPONSES = {"model": "m", "input": "what is 2+2?", "max_output_tokens": 8}  # translated to chat completions
+MESSAGES = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "what is 2+2?"}]}
 BODIES = {  # a body each route answers 2xx to (others get {})
     "/v1/chat/completions": CHAT, "/rollouts/{rid}/v1/chat/completions": CHAT,
     "/v1/completions": COMPLETION, "/rollouts/{rid}/v1/completions": COMPLETION,
+    "/v1/responses": RESPONSES, "/rollouts/{rid}/v1/responses": RESPONSES,
+    "/v1/messages": MESSAGES, "/rollouts/{rid}/v1/messages": MESSAGES,
     "/rollouts": {"task_id": "t"}, "/rollouts/{rid}/reward": {"value": 1.0},
     "/admin/pause": {"wait": True, "timeout": 5}, "/admin/resume": {"policy_version": 3},
     "/review/api/rollouts/{rid}/score": {"score": 0.5}, "/review/api/compare": {"a": "{rid}", "b": "{other}",

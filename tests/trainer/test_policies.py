@@ -116,3 +116,40 @@ def test_the_reference_is_the_base_for_every_policy(model_dir):
     for _ in range(3):
         m = policies.step(_rows("coder", "reviewer"))
     assert m["coder/kl_ref"] > 0 and m["reviewer/kl_ref"] > 0
+
+
+def test_the_daemon_trains_each_policy_on_its_agents_rewards(llm_server, store, tmp_path):
+    """Rollouts of a two-agent team through wrap(policies=...): the team's reward is the same in
+    every rollout (a group that would carry no signal for one policy), the roles' own rewards
+    differ. The daemon trains both adapters, each with its role's reward, one version for both."""
+    import openai
+
+    from lightning_middleware import agent_scope, emit_reward, rollout, wrap
+    from tests.trainer.tiny_models import save_tiny_qwen2
+    from trainer_backend.daemon.trainer_daemon import GroupPolicy, TrainerConfig, TrainerDaemon
+
+    base = save_tiny_qwen2(tmp_path / "bytes", vocab=260, hidden=32, layers=1, max_positions=1024)
+    client = wrap(openai.OpenAI(base_url=llm_server.base_url, api_key="x"), store=store,
+                  policies={"coder": "coder", "reviewer": "reviewer"})
+    for task in ("t1", "t2"):
+        for i in range(4):
+            with rollout(task, store=store) as r:
+                for agent in ("coder", "reviewer"):
+                    with agent_scope(agent):
+                        client.chat.completions.create(model="m", max_tokens=8,
+                                                       messages=[{"role": "user", "content": f"{agent} {task} {i}"}])
+                emit_reward(float(i % 2), agent="coder")
+                emit_reward(float(i < 2), agent="reviewer")
+                r.reward(1.0)  # the team's reward: uniform
+    torch.manual_seed(0)
+    daemon = TrainerDaemon(store, PolicySet(base, ["coder", "reviewer"], CONFIG),
+                           TrainerConfig(checkpoint_dir=str(tmp_path / "ckpt"), poll_interval_s=0.05,
+                                         group=GroupPolicy(group_size=4, groups_per_step=2)))
+    [result] = daemon.run(max_steps=1)
+    m = result.metrics
+    assert m.get("skipped_uniform_reward", 0) == 0  # the roles' rewards differ: signal
+    assert m["policies_updated"] == 2 and m["coder/rows"] == 8 and m["reviewer/rows"] == 8
+    assert m["adv_abs_mean"] > 0.5  # the team's uniform reward alone would give every row advantage 0
+    assert result.policy_version == 1
+    ckpt = Path(store.get_policy_version(1).path)
+    assert is_adapter_dir(ckpt / "coder") and is_adapter_dir(ckpt / "reviewer")

@@ -219,7 +219,7 @@ class TrainerDaemon:
                 continue
             members = reviewed
             usable, reasons = self._filter(members)
-            if g.skip_uniform and len({r.final_reward for r in usable}) == 1:
+            if g.skip_uniform and len(self._reward_profiles(usable)) == 1:
                 reasons["uniform_reward"] += len(usable)
                 usable = []
             if len(usable) < g.min_group_size:
@@ -259,6 +259,15 @@ class TrainerDaemon:
             if len(members) >= g.group_size or now - oldest > g.group_timeout_s:
                 ready.append(members[: g.group_size])
         return ready
+
+    def _reward_profiles(self, rollouts: Sequence[Rollout]) -> set[tuple[Any, ...]]:
+        """The distinct rewards of a group: a group with one carries no signal. With separate
+        policies per agent, each rollout's per-agent rewards count too (the team's reward may be
+        equal while the roles' differ)."""
+        if not isinstance(self.engine, RoutesRows):
+            return {(r.final_reward,) for r in rollouts}
+        per_agent = self.store.agent_rewards([r.id for r in rollouts])
+        return {(r.final_reward, *sorted(per_agent.get(r.id, {}).items())) for r in rollouts}
 
     def _take(self, members: Sequence[Rollout]) -> bool:
         """Claim a whole group or nothing (another daemon got part of it)."""
@@ -314,7 +323,8 @@ class TrainerDaemon:
         if algorithm == "grpo" and not self.config.norm_by_std:
             algorithm = "dr_grpo"
         parts = self.engine.route(rows) if isinstance(self.engine, RoutesRows) else None
-        rows = labelling.label(algorithm, rollouts, rows, level=self.config.advantage_level, parts=parts)
+        rows = labelling.label(algorithm, rollouts, rows, level=self.config.advantage_level, parts=parts,
+                               agent_rewards=self.store.agent_rewards([r.id for r in rollouts]) if parts else None)
         # for the metrics: one advantage per rollout and policy (rollout level)
         adv = {(row.rollout_id, row.policy): row.advantage for row in rows}
         t_build = time.perf_counter() - t0

@@ -240,7 +240,7 @@ class DemoRun:
     def report(self) -> dict[str, Any]:
         import json
 
-        res, cfg = self.results, self.cfg
+        res = self.results
         self.timings["total_s"] = time.perf_counter() - self.t_all
         res["timings"] = self.timings
         res["load_avg"] = os.getloadavg()
@@ -319,7 +319,9 @@ class _TrainingLoop:
             "lr": lr_used, "clip_frac": m.get("clip_frac"), "step_time_s": m.get("step_time_s"),
             "staleness_max": m.get("staleness_max"), "entropy": m.get("entropy"), "grad_norm": m.get("grad_norm"),
             "ratio_max": m.get("ratio_max"), "clip_frac_lower": m.get("clip_frac_lower"),
-            **{k: v for k, v in m.items() if k.startswith(("skipped_", "rows_"))}})
+            **{k: v for k, v in m.items() if k.startswith(("skipped_", "rows_"))},
+            # separate policies (the team task): each policy's share of the step
+            **{k: v for k, v in m.items() if k.endswith(("/rows", "/loss", "/updates", "/grad_norm"))}})
         if self.bar is not None:
             recent = [c["success"] for c in self.curve[-5:] if c["success"] == c["success"]]
             self.bar.n = min(int(self.curve[-1]["t_s"]), int(cfg.minutes * 60))
