@@ -35,6 +35,7 @@ JSON_CT = (b"content-type", b"application/json")
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "what is 2+2?"}], "max_tokens": 8}
 COMPLETION = {"model": "m", "prompt": "hello", "max_tokens": 8}
 PROXY_SUFFIXES = ("/v1/chat/completions", "/v1/completions")
+TRANSLATED = ("/v1/responses", "/v1/messages")  # other formats, translated to chat completions (docs/formats.md)
 
 
 @dataclass
@@ -100,7 +101,13 @@ def assert_refused(answer: Answer, *statuses: int) -> dict[str, Any]:
 
 
 def proxy_paths(rid: str) -> st.SearchStrategy[str]:
-    return st.sampled_from([p for s in PROXY_SUFFIXES for p in (s, f"/rollouts/{rid}{s}")])
+    return st.sampled_from([p for s in PROXY_SUFFIXES + TRANSLATED for p in (s, f"/rollouts/{rid}{s}")])
+
+
+def code_of(path: str, error: dict[str, Any]) -> Any:
+    """The error's `code`; TRANSLATED for a translated route, whose errors take the caller's format
+    (a Responses or Anthropic error: a message, no OpenAI `code`)."""
+    return TRANSLATED if path.endswith(TRANSLATED) else error["code"]
 
 
 def strict_json_object(raw: bytes) -> bool:
@@ -269,7 +276,8 @@ def test_a_body_over_the_limit_is_a_413(served: Served, size: int, parts: int, d
     step = -(-len(body) // parts)
     chunks = [body[i:i + step] for i in range(0, len(body), step)]
     headers = [JSON_CT, *([(b"content-length", str(len(body)).encode())] if declared else [])]
-    assert assert_refused(served.send("POST", path, headers=headers, chunks=chunks), 413)["code"] == "body_too_large"
+    assert code_of(path, assert_refused(served.send("POST", path, headers=headers, chunks=chunks), 413)) in (
+        "body_too_large", TRANSLATED)
 
 
 @fuzz(30)
@@ -291,7 +299,7 @@ def test_nesting_deeper_than_json_allows_is_a_400(served: Served, depth: int, ki
     nested = kind[0] * depth + (b"1" if kind[0] == b'{"a":' else b"") + kind[1] * depth
     body = b'{"model": "m", "messages": [], "extra": ' + nested + b"}"
     if len(body) <= BODY_LIMIT:
-        assert assert_refused(served.post(path, body), 400)["code"] == "invalid_json"
+        assert code_of(path, assert_refused(served.post(path, body), 400)) in ("invalid_json", TRANSLATED)
     else:
         assert_refused(served.post(path, body), 413)
 
