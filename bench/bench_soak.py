@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-s", type=float, default=None, help="memory sampling period (default: window / 3)")
     p.add_argument("--warmup-s", type=float, default=None,
                    help="memory growth is measured from the end of this (default: the first window)")
-    p.add_argument("--drain-s", type=float, default=120.0, help="at most this long for the trainer to catch up")
+    p.add_argument("--drain-s", type=float, default=300.0, help="at most this long for the trainer to catch up")
     p.add_argument("--json", default=None, help="also write the JSON result here")
     args = p.parse_args(argv)
     args.window_s = args.window_s or max(5.0, args.minutes * 60 / 15)

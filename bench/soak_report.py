@@ -57,7 +57,7 @@ def memory_summary(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, 
     warmup_s = out["warmup_end_s"]["t"]
     for name in PROCESSES:
         series = [(s["t"], s["rss_mib"].get(name)) for s in samples]
-        values = [(t, v) for t, v in series if v is not None]
+        values = [(t, v) for t, v in series if v]  # None or 0: exited (a zombie reads 0) or not yet started
         if not values:
             continue
         after = [v for t, v in values if t >= warmup_s] or [values[-1][1]]
