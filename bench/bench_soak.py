@@ -192,6 +192,25 @@ def start_agents(args: argparse.Namespace, llm: LLMTestServer, pg: PostgresTestS
     return out
 
 
+def wait_trainer(engine: Any, trainer: subprocess.Popen[Any], timeout_s: float = 300.0) -> None:
+    """Until the trainer holds its lease: torch imported and the model loaded, so that the load does not
+    start while it is still starting (on a busy machine that takes a minute, and its steps would come late)."""
+    import sqlalchemy as sa
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if trainer.poll() is not None:
+            raise RuntimeError(f"the trainer exited with {trainer.returncode} before it started")
+        try:
+            with engine.connect() as conn:
+                if conn.execute(sa.text("SELECT count(*) FROM trainer_leases")).scalar_one():
+                    return
+        except sa.exc.ProgrammingError:  # the schema is not there yet
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the trainer did not start within {timeout_s:.0f} s")
+
+
 def drain(engine: Any, trainer: subprocess.Popen[Any], groups_per_step: int, timeout_s: float) -> None:
     """Wait until what is left untrained is less than one step's worth (the trainer waits for a full step)."""
     deadline = time.monotonic() + timeout_s
@@ -224,6 +243,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     engine = sa.create_engine(pg.url, pool_size=1)
     samples: list[dict[str, Any]] = []
     try:
+        wait_trainer(engine, procs["trainer"])
         t0 = time.time()
         agents = start_agents(args, llm, pg, gw_url)
         procs.update({name: proc for name, (proc, _lines) in agents.items()})
@@ -256,6 +276,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             "load_avg": {"min": min(s["load"] for s in samples), "max": max(s["load"] for s in samples),
                          "mean": sum(s["load"] for s in samples) / len(samples)},
             "windows": window_rows(lines_by_kind, samples, t0),
+            "samples": samples,
         }
     finally:
         for proc in procs.values():

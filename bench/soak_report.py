@@ -43,27 +43,28 @@ def check_counts(lines_by_kind: dict[str, list[dict[str, Any]]], store: dict[str
     return out
 
 
-def warmup_end(samples: list[dict[str, Any]], warmup_s: float) -> float:
-    """When memory growth starts to count: after `warmup_s` and after the trainer's first committed step
-    (until then the trainer is importing torch and loading its model: hundreds of MiB that are no leak)."""
+def warmup_ends(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, float]:
+    """When each process's memory growth starts to count: after `warmup_s`, and for the trainer after
+    its first committed step too (its first backward pass allocates the autograd and optimizer state:
+    tens of MiB that are no leak)."""
     first_step = next((s["t"] for s in samples if s.get("train_steps", 0) >= 1), samples[-1]["t"])
-    return max(warmup_s, first_step)
+    return {name: max(warmup_s, first_step) if name == "trainer" else warmup_s for name in PROCESSES}
 
 
 def memory_summary(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, dict[str, float]]:
-    """Per process, in MiB: at the first sample, after the warm-up, at the end (medians of 3 samples,
-    so one sample taken mid-garbage-collection does not decide), the peak, and the growth after warm-up."""
-    out: dict[str, dict[str, float]] = {"warmup_end_s": {"t": warmup_end(samples, warmup_s)}}
-    warmup_s = out["warmup_end_s"]["t"]
-    for name in PROCESSES:
-        series = [(s["t"], s["rss_mib"].get(name)) for s in samples]
-        values = [(t, v) for t, v in series if v]  # None or 0: exited (a zombie reads 0) or not yet started
+    """Per process, in MiB: at the first sample, after its warm-up, at the end (medians of 3 samples,
+    so one sample taken mid-garbage-collection does not decide), the peak, the growth after warm-up,
+    and over how many seconds that growth was measured."""
+    out: dict[str, dict[str, float]] = {}
+    for name, since in warmup_ends(samples, warmup_s).items():
+        values = [(s["t"], s["rss_mib"].get(name)) for s in samples]
+        values = [(t, v) for t, v in values if v]  # None or 0: exited (a zombie reads 0) or not yet started
         if not values:
             continue
-        after = [v for t, v in values if t >= warmup_s] or [values[-1][1]]
-        base, end = statistics.median(after[:3]), statistics.median(after[-3:])
+        after = [(t, v) for t, v in values if t >= since] or values[-1:]
+        base, end = statistics.median(v for _t, v in after[:3]), statistics.median(v for _t, v in after[-3:])
         out[name] = {"first": values[0][1], "after_warmup": base, "end": end, "peak": max(v for _t, v in values),
-                     "growth": end - base}
+                     "growth": end - base, "measured_s": after[-1][0] - after[0][0]}
     return out
 
 
@@ -121,8 +122,6 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"lost {c['lost']}, trained twice {c['trained_twice']}, unattached calls {c['unattached_calls']}, "
           f"train steps {c['train_steps']}")
     for name, m in result["memory"].items():
-        if name == "warmup_end_s":
-            print(f"memory growth counted from t = {m['t']:.0f} s (warm-up, the trainer's first step)")
-            continue
         print(f"memory {name:>14}: first {m['first']:.0f}, after warm-up {m['after_warmup']:.0f}, "
-              f"end {m['end']:.0f}, peak {m['peak']:.0f} MiB, growth {m['growth']:+.1f} MiB")
+              f"end {m['end']:.0f}, peak {m['peak']:.0f} MiB, growth {m['growth']:+.1f} MiB "
+              f"over the last {m['measured_s']:.0f} s")
