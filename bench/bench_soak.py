@@ -132,15 +132,40 @@ def store_counts(engine: Any) -> dict[str, Any]:
     return out
 
 
+def anon_mib(pid: int) -> float | None:
+    """A process's anonymous resident memory (RssAnon): what a leak grows. RSS also counts file pages
+    (the mapped libraries), which the kernel takes back under memory pressure from other programs on
+    a shared machine: RSS then falls for every process at once, no matter what they do."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return kib / 1024 or None  # a zombie reads 0
+
+
 def sample(procs: dict[str, Any], pg: PostgresTestServer, engine: Any, t0: float) -> dict[str, Any]:
     rss: dict[str, float | None] = {}
+    anon: dict[str, float | None] = {}
     for name, proc in procs.items():
         try:
             rss[name] = psutil.Process(proc.pid).memory_info().rss / 2**20
         except psutil.NoSuchProcess:
             rss[name] = None
-    rss["postgres"] = postgres_pss(_postmaster_pid(pg)) / 2**20
-    return {"t": time.time() - t0, "rss_mib": rss, "load": os.getloadavg()[0], **store_counts(engine)}
+        anon[name] = anon_mib(proc.pid)
+    postmaster = _postmaster_pid(pg)
+    rss["postgres"] = postgres_pss(postmaster) / 2**20
+    anon["postgres"] = sum(anon_mib(pid) or 0.0 for pid in _pids(postmaster)) or None
+    return {"t": time.time() - t0, "rss_mib": rss, "anon_mib": anon, "load": os.getloadavg()[0],
+            **store_counts(engine)}
+
+
+def _pids(root: int) -> list[int]:
+    try:
+        proc = psutil.Process(root)
+        return [root, *(child.pid for child in proc.children())]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _postmaster_pid(pg: PostgresTestServer) -> int:
@@ -272,7 +297,8 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             "wrap_agents": args.wrap_agents, "gateway_agents": args.gateway_agents, "think_ms": args.think_ms,
             "llm_latency_ms": args.llm_latency_ms, "groups_per_step": args.groups_per_step,
             "counts": check_counts(lines_by_kind, final, trained_ids),
-            "memory": memory_summary(samples, args.warmup_s),
+            "memory": memory_summary(samples, args.warmup_s, "anon_mib"),
+            "memory_rss": memory_summary(samples, args.warmup_s, "rss_mib"),
             "load_avg": {"min": min(s["load"] for s in samples), "max": max(s["load"] for s in samples),
                          "mean": sum(s["load"] for s in samples) / len(samples)},
             "windows": window_rows(lines_by_kind, samples, t0),

@@ -51,13 +51,13 @@ def warmup_ends(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, flo
     return {name: max(warmup_s, first_step) if name == "trainer" else warmup_s for name in PROCESSES}
 
 
-def memory_summary(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, dict[str, float]]:
+def memory_summary(samples: list[dict[str, Any]], warmup_s: float, key: str) -> dict[str, dict[str, float]]:
     """Per process, in MiB: at the first sample, after its warm-up, at the end (medians of 3 samples,
     so one sample taken mid-garbage-collection does not decide), the peak, the growth after warm-up,
     and over how many seconds that growth was measured."""
     out: dict[str, dict[str, float]] = {}
     for name, since in warmup_ends(samples, warmup_s).items():
-        values = [(s["t"], s["rss_mib"].get(name)) for s in samples]
+        values = [(s["t"], s[key].get(name)) for s in samples]
         values = [(t, v) for t, v in values if v]  # None or 0: exited (a zombie reads 0) or not yet started
         if not values:
             continue
@@ -92,6 +92,7 @@ def window_rows(lines_by_kind: dict[str, list[dict[str, Any]]], samples: list[di
             "recorded": s.get("w_calls", 0) + s.get("g_calls", 0),
             "trained": s.get("w_trained", 0) + s.get("g_trained", 0), "steps": s.get("train_steps", 0),
             "rss_mib": {k: (None if v is None else round(v, 1)) for k, v in s["rss_mib"].items()},
+            "anon_mib": {k: (None if v is None else round(v, 1)) for k, v in s["anon_mib"].items()},
             "load": round(s["load"], 2),
         })
     return rows
@@ -111,17 +112,20 @@ def print_report(result: dict[str, Any]) -> None:
             + " ".join(f"{short[p]:>5}" for p in PROCESSES) + "  load")
     print(head)
     for r in result["windows"]:
-        rss = " ".join(f"{r['rss_mib'].get(p) or 0:5.0f}" for p in PROCESSES)
+        rss = " ".join(f"{r['anon_mib'].get(p) or 0:5.0f}" for p in PROCESSES)
         print(f"{r['t']:6.0f} {r['calls_per_s']:7.1f} {_ms(r['wrap_p50_ms']):>6}/{_ms(r['wrap_p99_ms']):<6} "
               f"{_ms(r['gateway_p50_ms']):>5}/{_ms(r['gateway_p99_ms']):<5} {r['failed']:4d} {r['sent']:7d} "
               f"{r['recorded']:9d} {r['trained']:8d} {r['steps']:5d}  {rss} {r['load']:5.1f}")
-    print("(RSS MiB; pg = PostgreSQL's PSS, all its processes)")
+    print("(anonymous resident memory, RssAnon, MiB; pg: the sum over all its processes)")
     c = result["counts"]
     for name in KINDS.values():
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in c[name].items()))
     print(f"lost {c['lost']}, trained twice {c['trained_twice']}, unattached calls {c['unattached_calls']}, "
           f"train steps {c['train_steps']}")
     for name, m in result["memory"].items():
-        print(f"memory {name:>14}: first {m['first']:.0f}, after warm-up {m['after_warmup']:.0f}, "
+        print(f"anon   {name:>14}: first {m['first']:.0f}, after warm-up {m['after_warmup']:.0f}, "
               f"end {m['end']:.0f}, peak {m['peak']:.0f} MiB, growth {m['growth']:+.1f} MiB "
               f"over the last {m['measured_s']:.0f} s")
+    for name, m in result["memory_rss"].items():
+        print(f"rss    {name:>14}: after warm-up {m['after_warmup']:.0f}, end {m['end']:.0f}, "
+              f"peak {m['peak']:.0f} MiB, growth {m['growth']:+.1f} MiB (pg: PSS)")
