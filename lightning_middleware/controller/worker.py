@@ -18,15 +18,12 @@ import sys
 from collections.abc import Mapping
 from dataclasses import asdict
 
+from lightning_middleware.controller.backends.k8s_template import ENV_AGENT, ENV_JOB, ENV_STORE, ENV_TERMINATION_LOG
 from lightning_middleware.controller.execution import AgentNotFound, execute_job, resolve_agent
 from lightning_middleware.controller.jobs import RolloutJob
 from lightning_middleware.store import get_store
 
 log = logging.getLogger(__name__)
-ENV_AGENT = "LIGHTNING_AGENT"
-ENV_JOB = "LIGHTNING_ROLLOUT_JOB"
-ENV_STORE = "LIGHTNING_STORE_URL"
-ENV_TERMINATION_LOG = "LIGHTNING_TERMINATION_LOG"
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 
 

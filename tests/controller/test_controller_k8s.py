@@ -23,7 +23,7 @@ from lightning_middleware.testing import LLMTestServer
 from lightning_middleware.testing.k8s_api import K8sAPIServer
 from lightning_middleware.testing.kubelet import Kubelet
 from tests.controller import controller_agents as A
-from tests.controller.k8s_fixtures import ROOT, cluster, template  # noqa: F401 - the fixture
+from tests.controller.k8s_fixtures import ROOT, template
 
 pytest.importorskip("kubernetes")
 Cluster = tuple[K8sAPIServer, Kubelet]
@@ -69,12 +69,12 @@ def test_failures_are_classified_and_infrastructure_ones_retried(cluster: Cluste
     for t, fault in zip(tasks, faults):
         t["fault"] = fault
     tasks[4]["exit_code"] = 3  # the agent's process dies: failed with its last log lines, not retried
-    tasks[5]["sleep"] = 30  # the worker's own alarm: timeout, with the spans so far
-    tasks[6]["fault"] = "slow_start:6"  # never started in time: the Job's deadline (timeout 1 + grace 1 s)
+    tasks[5]["sleep"] = 60  # the worker's own alarm: timeout, with the spans so far
+    tasks[6]["fault"] = "slow_start:30"  # never started in time: the Job's deadline (timeout 10 + grace 10 s)
     tasks[7]["crash"] = True  # the agent raised: failed, not retried
-    backend = _backend(api, template={"startup_grace_s": 1.0})
+    backend = _backend(api, template={"startup_grace_s": 10.0})
     with RolloutController("tests.controller.controller_agents:tool_agent", store=sq, backend=backend,
-                           concurrency=8, timeout_s=1.0, retry=RetryPolicy(max_attempts=2, backoff_s=0.05)) as c:
+                           concurrency=8, timeout_s=10.0, retry=RetryPolicy(max_attempts=2, backoff_s=0.05)) as c:
         results = {r.task_id: r for r in c.run(tasks)}
     for i, fault in enumerate(faults):
         res = results[f"t{i}"]
@@ -92,9 +92,9 @@ def test_failures_are_classified_and_infrastructure_ones_retried(cluster: Cluste
     assert "agent log line 29" in exited.error and "agent log line 5\n" not in exited.error  # the last 20 lines
     assert len(sq.calls(exited.rollout_id)) == 1  # the span flushed before the exit stays
     slow = results["t5"]
-    assert slow.status == "timeout" and "1s timeout" in slow.error and len(sq.calls(slow.rollout_id)) == 1
+    assert slow.status == "timeout" and "10s timeout" in slow.error and len(sq.calls(slow.rollout_id)) == 1
     late = results["t6"]
-    assert late.status == "timeout" and "activeDeadlineSeconds (2s)" in late.error and late.attempts == 1
+    assert late.status == "timeout" and "activeDeadlineSeconds (20s)" in late.error and late.attempts == 1
     crash = results["t7"]
     assert crash.status == "failed" and crash.error == "ValueError: tool exploded" and crash.attempts == 1
     assert sq.query_rollouts(status="running") == []

@@ -104,7 +104,8 @@ class KubernetesBackend:
     def __init__(self, template: PodTemplate, *, api_url: str | None = None, kubeconfig: str | None = None,
                  context: str | None = None, run_id: str | None = None, max_jobs: int | None = None,
                  api_threads: int = 16, log_lines: int = 20, network_policy: bool = False,
-                 backstop_s: float = 30.0, watch_timeout_s: int = 60, start_timeout_s: float = 30.0) -> None:
+                 backstop_s: float = 30.0, watch_timeout_s: int = 60, start_timeout_s: float = 30.0,
+                 settle_s: float = 5.0) -> None:
         self.template = template
         self.namespace = template.namespace
         self.run_id = run_id or uuid.uuid4().hex[:12]
@@ -114,6 +115,7 @@ class KubernetesBackend:
         self.backstop_s = backstop_s
         self.watch_timeout_s = watch_timeout_s
         self.start_timeout_s = start_timeout_s
+        self.settle_s = settle_s
         self._conn = {"api_url": api_url, "kubeconfig": kubeconfig, "context": context, "pool_size": api_threads + 4}
         self._pool = concurrent.futures.ThreadPoolExecutor(api_threads, thread_name_prefix="k8s-api")
         self._tracked: dict[str, _Tracked] = {}
@@ -291,6 +293,7 @@ class KubernetesBackend:
     async def _wait(self, tracked: _Tracked) -> Verdict:
         deadline = active_deadline_s(self.template, tracked.job.timeout_s)
         end = None if deadline is None else time.monotonic() + deadline + self.backstop_s
+        settle_end: float | None = None
         while True:
             tracked.changed.clear()
             with self._lock:
@@ -302,14 +305,30 @@ class KubernetesBackend:
                 exc = PodNodeLost("the rollout Job was deleted before it finished")
                 return Verdict(RolloutOutcome(status=RolloutStatus.FAILED.value, error=f"PodNodeLost: {exc}",
                                               error_types=tuple(type_names(PodNodeLost)), ended_by_controller=True))
-            left = None if end is None else max(0.0, end - time.monotonic())
+            if verdict.settle and settle_end is None:
+                settle_end = time.monotonic() + self.settle_s
+            left = min(t - time.monotonic() for t in (end, settle_end) if t is not None) \
+                if (end or settle_end) else None
             try:
-                await asyncio.wait_for(tracked.changed.wait(), left)
+                await asyncio.wait_for(tracked.changed.wait(), None if left is None else max(0.0, left))
             except asyncio.TimeoutError:
+                if settle_end is not None and time.monotonic() >= settle_end:
+                    return await self._settled(tracked)
                 msg = f"TimeoutError: no end reported for the rollout Job {self.backstop_s:g}s past its deadline"
                 return Verdict(RolloutOutcome(status=RolloutStatus.TIMEOUT.value, error=msg,
                                               error_types=tuple(type_names(TimeoutError)), ended_by_controller=True),
                                delete_job=True)
+
+    async def _settled(self, tracked: _Tracked) -> Verdict:
+        """The Job failed and its pod's end never arrived by the watch: read the pod once, then judge."""
+        sel = f"{ROLLOUT_LABEL}={tracked.job.rollout_id}"
+        try:
+            pods = (await self._call(self._core.list_namespaced_pod, self.namespace, label_selector=sel)).items
+        except Exception as exc:  # noqa: BLE001 - judge from what the watch delivered
+            log.warning("reading the pod of rollout %s failed: %s", tracked.job.rollout_id, exc)
+            pods = []
+        pod = self._api.sanitize_for_serialization(pods[0]) if pods else tracked.pod
+        return judge(tracked.job_obj, pod, pod_deleted=tracked.pod_deleted or not pods, final=True)
 
     async def _conclude(self, tracked: _Tracked, verdict: Verdict, t0: float) -> RolloutOutcome:
         job = tracked.job

@@ -51,6 +51,7 @@ class Verdict:
     delete_job: bool = False
     pod_name: str | None = None
     from_store: bool = False  # ended cleanly without a termination message: the store row has the outcome
+    settle: bool = False  # the Job failed but its pod's final state has not been seen yet: wait for it
 
 
 PENDING = Verdict(None)
@@ -134,8 +135,11 @@ def _from_pod(pod: dict[str, Any]) -> Verdict | None:
     return Verdict(outcome, needs_logs=True, pod_name=name)
 
 
-def judge(job: dict[str, Any] | None, pod: dict[str, Any] | None, *, pod_deleted: bool = False) -> Verdict:
-    """The verdict for one rollout from its Job and its (only) Pod as last seen."""
+def judge(job: dict[str, Any] | None, pod: dict[str, Any] | None, *, pod_deleted: bool = False,
+          final: bool = False) -> Verdict:
+    """The verdict for one rollout from its Job and its (only) Pod as last seen. Jobs and Pods are
+    watched separately, so a Job's failure can arrive before its pod's end: unless `final`, that
+    asks to `settle` (wait for the pod) rather than guess."""
     timed_out = _deadline(job)
     if timed_out is not None:
         return timed_out  # before the pod: the Job controller kills the pod at the deadline
@@ -149,6 +153,8 @@ def judge(job: dict[str, Any] | None, pod: dict[str, Any] | None, *, pod_deleted
     if _condition(job, "Complete") is not None or _condition(job, "SuccessCriteriaMet") is not None:
         return Verdict(None, pod_name=((pod or {}).get("metadata") or {}).get("name"), from_store=True)
     failed = _condition(job, "Failed")
+    if failed is not None and not final:
+        return Verdict(None, settle=True)
     if failed is not None:
         return _lost(PodNodeLost(f"the rollout Job failed: {failed.get('reason')}: {failed.get('message', '')}"),
                      None)

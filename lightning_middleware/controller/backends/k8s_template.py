@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_middleware.controller.jobs import RolloutJob
-from lightning_middleware.controller.worker import ENV_AGENT, ENV_JOB, ENV_STORE
 
 MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "lightning-middleware"
@@ -22,6 +21,11 @@ ROLE_LABEL = "lightning-middleware/role"
 RUN_LABEL = "lightning-middleware/run"
 ROLLOUT_LABEL = "lightning-middleware/rollout"
 TASK_ANNOTATION = "lightning-middleware/task-id"
+# What the worker entrypoint (controller/worker.py) reads from its environment.
+ENV_AGENT = "LIGHTNING_AGENT"
+ENV_JOB = "LIGHTNING_ROLLOUT_JOB"
+ENV_STORE = "LIGHTNING_STORE_URL"
+ENV_TERMINATION_LOG = "LIGHTNING_TERMINATION_LOG"
 DEFAULT_COMMAND = ("lightning-mw", "rollouts", "worker")
 _NAME_OK = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
