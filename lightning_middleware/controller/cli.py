@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -89,7 +91,15 @@ def _controller_from(args: Any) -> RolloutController:
                              workers=args.workers, ray_address=args.ray_address)
 
 
+def _sigterm_as_ctrl_c() -> None:
+    # So that SIGTERM (kubectl delete, a CI timeout) leaves the `with` block like Ctrl-C does and the
+    # backend's close() runs: worker processes and Ray actors stop, the run's k8s Jobs are deleted.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def _cli_run(args: Any) -> int:
+    _sigterm_as_ctrl_c()
     t0 = time.monotonic()
     with _controller_from(args) as c:
         results = c.run(args.tasks, n=args.n, mode=args.mode)
@@ -106,6 +116,7 @@ def _cli_run(args: Any) -> int:
 
 
 def _cli_eval(args: Any) -> int:
+    _sigterm_as_ctrl_c()
     with _controller_from(args) as c:
         ev = Evaluator(c, args.tasks, n=args.n, name=args.name, success_threshold=args.success_threshold)
         result = ev.evaluate(step=args.step)

@@ -20,9 +20,10 @@ WORKER = (sys.executable, "-m", "lightning_middleware.controller.worker")
 
 
 def template(**kw: Any) -> PodTemplate:
-    return PodTemplate(image="lightning/rollout:test", namespace="rollouts", command=WORKER,
-                       env={"PYTHONPATH": str(ROOT)}, resources={"limits": {"memory": "512Mi", "cpu": "1"}},
-                       **{"startup_grace_s": 30.0, **kw})
+    base: dict[str, Any] = {"image": "lightning/rollout:test", "namespace": "rollouts", "command": WORKER,
+                            "env": {"PYTHONPATH": str(ROOT)}, "startup_grace_s": 30.0,
+                            "resources": {"limits": {"memory": "512Mi", "cpu": "1"}}}
+    return PodTemplate(**{**base, **kw})
 
 
 def task_fault(job: dict[str, Any]) -> str | None:

@@ -109,7 +109,7 @@ def test_concurrency_limit_pause_and_drain(cluster: Cluster, llm_server: LLMTest
     c.pause()
     thread = c.start_continuous(A.make_tasks(llm_server, sq, 3, sleep=0.3), n=2, groups_in_flight=2)
     time.sleep(1.5)
-    assert api.objects("jobs") == [] and c.stats.held_by_pause > 0  # paused: no Job created
+    assert api.objects("jobs") == [] and c.stats.started == 0  # paused: no Job created
     c.resume()
     end = time.monotonic() + 60
     while c.stats.groups_finished < 1 and time.monotonic() < end:
@@ -173,11 +173,19 @@ def test_reap_deletes_orphaned_jobs_by_label(cluster: Cluster, sq: TraceStore) -
         job = RolloutJob(rollout_id=rid, task_id="t", task={}, store_url="sqlite://")
         batch.create_namespaced_job("rollouts", job_manifest(tmpl, job, run_id=run, agent_ref="m:f"))
     sq.heartbeat([ids[1]], owner="alive")  # its controller still heartbeats it
-    assert reap_jobs("rollouts", api=client, store=sq, older_than_s=300) == []  # too young
-    assert sorted(reap_jobs("rollouts", api=client, store=sq, older_than_s=0, dry_run=True)) == \
-        sorted(f"rollout-{r}" for r in (ids[0], ids[2]))
-    sq.heartbeat([ids[1]], owner="alive", at=time.time() - 600)
-    assert len(reap_jobs("rollouts", api=client, store=sq, older_than_s=60.0 * 0)) == 3
+    assert reap_jobs("rollouts", api=client, store=sq, older_than_s=60) == []  # too young to be orphans
+
+    def age_jobs() -> None:  # as if they were created ten minutes ago
+        for (plural, _, _), obj in api.store.objects.items():
+            if plural == "jobs":
+                obj["metadata"]["creationTimestamp"] = "2020-01-01T00:00:00Z"
+    api.call(age_jobs)
+    orphans = sorted(f"rollout-{r}" for r in (ids[0], ids[2]))
+    assert sorted(reap_jobs("rollouts", api=client, store=sq, older_than_s=60, dry_run=True)) == orphans
+    assert len(api.objects("jobs")) == 3  # a dry run deletes nothing
+    assert sorted(reap_jobs("rollouts", api=client, store=sq, older_than_s=60)) == orphans
+    sq.heartbeat([ids[1]], owner="alive", at=time.time() - 600)  # now its controller is gone too
+    assert reap_jobs("rollouts", api=client, store=sq, older_than_s=60) == [f"rollout-{ids[1]}"]
     assert api.objects("jobs") == []
     batch.create_namespaced_job("rollouts", job_manifest(tmpl, RolloutJob(ids[0], "t", {}), run_id="x",
                                                          agent_ref="m:f"))

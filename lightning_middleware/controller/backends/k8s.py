@@ -13,7 +13,6 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-import signal
 import threading
 import time
 import uuid
@@ -93,9 +92,10 @@ class KubernetesBackend:
     `max_jobs`: at most this many of this run's Jobs exist at once (the controller's concurrency
     limit applies too). `network_policy`: create the sandbox NetworkPolicy at start (the template's
     `sandbox.egress_to`); usually it is part of the manifests instead. `backstop_s`: past the Job's
-    deadline, the controller stops waiting for the cluster and deletes the Job itself. SIGTERM is
-    turned into KeyboardInterrupt while the backend runs (if nobody else handles it), so `with
-    RolloutController(...)` deletes the run's Jobs on either signal; `close()` does.
+    deadline, the controller stops waiting for the cluster and deletes the Job itself. `close()`
+    deletes the run's Jobs: leaving `with RolloutController(...)` on Ctrl-C does it, and
+    `lightning-mw rollouts run` turns SIGTERM into Ctrl-C (in your own program:
+    `signal.signal(signal.SIGTERM, signal.default_int_handler)`).
     """
 
     name = "k8s"
@@ -124,7 +124,6 @@ class KubernetesBackend:
         self._watchers: list[Any] = []
         self._slots: asyncio.Semaphore | None = None
         self._slots_loop: asyncio.AbstractEventLoop | None = None
-        self._old_sigterm: Any = None
         self._api: Any = None
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -149,9 +148,6 @@ class KubernetesBackend:
         if not all(ev.wait(max(0.0, end - time.monotonic())) for ev in ready):
             raise KubernetesAPIError(f"cannot list Jobs/Pods in namespace {self.namespace!r} within "
                                      f"{self.start_timeout_s:g}s at {self._api.configuration.host}")
-        if threading.current_thread() is threading.main_thread() \
-                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            self._old_sigterm = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
 
     def _ensure_network_policy(self, client: Any) -> None:
         sb = self.template.sandbox
@@ -168,9 +164,6 @@ class KubernetesBackend:
         self._closing.set()
         for w in self._watchers:
             w.stop()
-        if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._old_sigterm)
-            self._old_sigterm = None
         if self._api is not None:
             try:
                 self.delete_run_jobs()
@@ -385,10 +378,6 @@ class KubernetesBackend:
         except ApiException as exc:
             if exc.status != 404:
                 log.warning("deleting the Job of rollout %s failed: %s", rollout_id, exc)
-
-
-def _sigterm_to_interrupt(_sig: int, _frame: Any) -> None:
-    raise KeyboardInterrupt("SIGTERM")
 
 
 def reap_jobs(namespace: str, *, api: Any = None, store: TraceStore | None = None, older_than_s: float = 300.0,
