@@ -107,7 +107,10 @@ class PodTemplate:
 def load_template(path: str, **overrides: Any) -> PodTemplate:
     """A pod template from a TOML or JSON file (a `[pod]` table, or the whole file); a bad file or key
     is a UsageError that names it."""
-    import tomllib
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
 
     from lightning_middleware.errors import UsageError
 
