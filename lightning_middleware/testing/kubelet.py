@@ -9,7 +9,11 @@ conditions, `activeDeadlineSeconds`, `ttlSecondsAfterFinished`, deleting a pod k
 `faults(job) -> str | None` makes a pod fail as a cluster can: "image_pull" (ErrImagePull, then
 ImagePullBackOff; it never starts), "oom" (killed, OOMKilled), "evict" (Failed, reason Evicted),
 "node_lost" (DisruptionTarget, then the pod is deleted), "slow_start:<s>" (starts after s seconds,
-like a slow image pull: the Job's deadline counts from its start).
+like a slow image pull: the Job's deadline counts from its start). `instant=True` runs nothing:
+every container "exits" 0 at once reporting a succeeded rollout with reward 1.0 (to measure what
+the controller costs per Job, bench/bench_controller_k8s.py).
+
+Standalone, in its own process: `python -m lightning_middleware.testing.kubelet --port 8011 [--instant]`.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ def job_env(job: dict[str, Any]) -> dict[str, str]:
 
 class Kubelet:
     def __init__(self, api: K8sAPIServer, *, faults: Fault | None = None, workdir: str | None = None,
-                 fault_delay_s: float = 0.3) -> None:
+                 fault_delay_s: float = 0.3, instant: bool = False) -> None:
         self.api = api
+        self.instant = instant
         self.faults = faults
         self.workdir = workdir or os.getcwd()
         self.fault_delay_s = fault_delay_s
@@ -173,6 +178,9 @@ class Kubelet:
                 return False
             if fault and fault.startswith("slow_start:"):
                 await asyncio.sleep(float(fault.split(":", 1)[1]))
+            if self.instant:
+                self._terminated(ns, name, base, now_iso(), 0, None, "", ['{"status":"succeeded","reward":1.0}\n'])
+                return True
             return await self._run_process(ns, pod, container, base, fault)
         finally:
             self.active -= 1
@@ -219,7 +227,9 @@ class Kubelet:
 
     def _terminated(self, ns: str, name: str, base: dict[str, Any], started: str, code: int, fault: str | None,
                     term_log: str, logs: list[str]) -> None:
-        message = Path(term_log).read_text()[:4096] if os.path.exists(term_log) else ""
+        message = Path(term_log).read_text()[:4096] if term_log and os.path.exists(term_log) else ""
+        if self.instant:
+            message = logs[-1]
         if code != 0 and not message:  # terminationMessagePolicy: FallbackToLogsOnError
             message = "".join(logs[-80:])[-2048:]
         exit_code = 128 + (-code) if code < 0 else code
@@ -242,3 +252,20 @@ class Kubelet:
 def _kill_if_running(proc: asyncio.subprocess.Process) -> None:
     if proc.returncode is None:
         proc.kill()
+
+
+def main() -> None:
+    import argparse
+    import threading
+
+    ap = argparse.ArgumentParser(description="the emulated Kubernetes API server with its test kubelet")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--instant", action="store_true", help="run no containers: every pod succeeds at once")
+    args = ap.parse_args()
+    with K8sAPIServer(port=args.port) as api, Kubelet(api, instant=args.instant):
+        print(api.url, flush=True)
+        threading.Event().wait()  # until killed
+
+
+if __name__ == "__main__":
+    main()

@@ -93,6 +93,12 @@ def sync_noop_agent(task: dict[str, Any]) -> float:
     return 1.0
 
 
+def exit_agent(task: dict[str, Any]) -> float:
+    """Dies without reporting, after some output (no LLM): a non-zero pod exit, on a real cluster too."""
+    print("\n".join(f"agent log line {i}" for i in range(30)), flush=True)
+    os._exit(int(task.get("exit_code", 3)))
+
+
 def max_overlap(rollouts: Any) -> int:
     """Most rollouts running at once, from the store's created_at/ended_at."""
     events = []

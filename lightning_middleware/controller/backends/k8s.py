@@ -207,9 +207,10 @@ class KubernetesBackend:
                     for item in listed.items:
                         self._on(kind, "ADDED", self._api.sanitize_for_serialization(item))
                     ready.set()
-                for ev in w.stream(lister, self.namespace, label_selector=sel, resource_version=rv,
+                # deserialize=False: plain dicts, not the client's models (a third of the per-Job CPU)
+                for ev in w.stream(lister, self.namespace, label_selector=sel, resource_version=rv, deserialize=False,
                                    timeout_seconds=self.watch_timeout_s, _request_timeout=self.watch_timeout_s + 30):
-                    obj = ev.get("raw_object") or {}
+                    obj = ev.get("object") or {}
                     rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
                     if ev.get("type") in ("ADDED", "MODIFIED", "DELETED"):
                         self._on(kind, ev["type"], obj)
@@ -218,6 +219,8 @@ class KubernetesBackend:
                     rv = None
                     continue
                 self._watch_failed(kind, exc)
+            except KeyError:  # the client's ERROR-event path without deserializing (410 Gone): relist
+                rv = None
             except Exception as exc:  # noqa: BLE001 - a dropped connection: watch again
                 self._watch_failed(kind, exc)
             finally:

@@ -51,7 +51,7 @@ class Verdict:
     delete_job: bool = False
     pod_name: str | None = None
     from_store: bool = False  # ended cleanly without a termination message: the store row has the outcome
-    settle: bool = False  # the Job failed but its pod's final state has not been seen yet: wait for it
+    settle: bool = False  # the Job ended but its pod's final state has not been seen yet: wait for it
 
 
 PENDING = Verdict(None)
@@ -138,8 +138,8 @@ def _from_pod(pod: dict[str, Any]) -> Verdict | None:
 def judge(job: dict[str, Any] | None, pod: dict[str, Any] | None, *, pod_deleted: bool = False,
           final: bool = False) -> Verdict:
     """The verdict for one rollout from its Job and its (only) Pod as last seen. Jobs and Pods are
-    watched separately, so a Job's failure can arrive before its pod's end: unless `final`, that
-    asks to `settle` (wait for the pod) rather than guess."""
+    watched separately, so a Job's end can arrive before its pod's: unless `final`, that asks to
+    `settle` (wait for the pod) rather than guess."""
     timed_out = _deadline(job)
     if timed_out is not None:
         return timed_out  # before the pod: the Job controller kills the pod at the deadline
@@ -151,6 +151,8 @@ def judge(job: dict[str, Any] | None, pod: dict[str, Any] | None, *, pod_deleted
             name = (pod.get("metadata") or {}).get("name")
             return _lost(PodNodeLost(f"pod {name} was deleted before it finished"), name)
     if _condition(job, "Complete") is not None or _condition(job, "SuccessCriteriaMet") is not None:
+        if not final:
+            return Verdict(None, settle=True)  # the pod's termination message is on its way
         return Verdict(None, pod_name=((pod or {}).get("metadata") or {}).get("name"), from_store=True)
     failed = _condition(job, "Failed")
     if failed is not None and not final:
