@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from lightning_middleware import TraceStore
-from lightning_middleware.controller import KubernetesBackend, RetryPolicy, RolloutController
+from lightning_middleware.controller import KubernetesBackend, RetryPolicy, RolloutController, Sandbox
 from lightning_middleware.controller.backends.k8s import api_client, reap_jobs
 from lightning_middleware.controller.backends.k8s_template import RUN_LABEL, job_manifest, run_selector
 from lightning_middleware.controller.jobs import RolloutJob
@@ -43,7 +43,8 @@ def _backend(api: K8sAPIServer, **kw: Any) -> KubernetesBackend:
 def test_rollouts_run_as_jobs_and_land_in_the_store(cluster: Cluster, llm_server: LLMTestServer,
                                                     sq: TraceStore) -> None:
     api, kubelet = cluster
-    backend = _backend(api, template={"ttl_seconds_after_finished": 3600})
+    sandbox = Sandbox(egress_to=({"ipBlock": {"cidr": "127.0.0.1/32"}},), read_only_root_fs=True)
+    backend = _backend(api, template={"ttl_seconds_after_finished": 3600, "sandbox": sandbox}, network_policy=True)
     with RolloutController("tests.controller.controller_agents:tool_agent", store=sq, backend=backend,
                            concurrency=4, timeout_s=60) as c:
         results = c.run(A.make_tasks(llm_server, sq, 2), n=2)
@@ -58,6 +59,9 @@ def test_rollouts_run_as_jobs_and_land_in_the_store(cluster: Cluster, llm_server
     assert env["LIGHTNING_AGENT"] == "tests.controller.controller_agents:tool_agent"
     assert env["LIGHTNING_STORE_URL"] == sq.url.render_as_string(hide_password=False)
     assert all(j["status"]["succeeded"] == 1 for j in jobs) and kubelet.pods_started == 4
+    assert spec["template"]["spec"]["automountServiceAccountToken"] is False
+    (policy,) = api.objects("networkpolicies")  # created at start, once
+    assert policy["spec"]["egress"][1] == {"to": [{"ipBlock": {"cidr": "127.0.0.1/32"}}]}
     assert sq.query_rollouts(status="running") == [] and api.objects("jobs") == []  # close() deleted them
 
 
@@ -136,8 +140,9 @@ def test_a_signal_deletes_the_runs_jobs(cluster: Cluster, llm_server: LLMTestSer
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(t) + "\n" for t in A.make_tasks(llm_server, sq, 3, sleep=60)))
     tmpl = tmp_path / "pod.toml"
+    worker = [sys.executable, "-m", "lightning_middleware.cli", "rollouts", "worker"]  # the CLI entrypoint
     tmpl.write_text("[pod]\nimage = 'lightning/rollout:test'\nnamespace = 'rollouts'\n"
-                    f"command = {json.dumps(list(template().command))}\n"
+                    f"command = {json.dumps(worker)}\n"
                     f"env = {{ PYTHONPATH = {json.dumps(str(ROOT))} }}\n")
     cmd = [sys.executable, "-m", "lightning_middleware.cli", "rollouts", "run", "--agent",
            "tests.controller.controller_agents:tool_agent", "--tasks", str(tasks), "--store",
@@ -200,3 +205,18 @@ def test_an_unreachable_api_server_fails_start_with_a_clear_error(sq: TraceStore
     with RolloutController("tests.controller.controller_agents:tool_agent", store=sq, backend=backend) as c:
         with pytest.raises(Exception, match="cannot list Jobs/Pods in namespace 'rollouts' within 2s"):
             c.run([{"task_id": "a"}])
+
+
+def test_the_worker_entrypoint_refuses_a_bad_environment(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_middleware.controller.worker import run_worker
+
+    assert run_worker({}) == 2
+    assert "needs LIGHTNING_AGENT, LIGHTNING_ROLLOUT_JOB" in capsys.readouterr().err
+    assert run_worker({"LIGHTNING_AGENT": "m:f", "LIGHTNING_ROLLOUT_JOB": "{not json"}) == 2
+    assert "LIGHTNING_ROLLOUT_JOB is not a rollout job" in capsys.readouterr().err
+    job = json.dumps({"rollout_id": "r", "task_id": "t", "task": {}})
+    assert run_worker({"LIGHTNING_AGENT": "m:f", "LIGHTNING_ROLLOUT_JOB": job}) == 2
+    assert "needs LIGHTNING_STORE_URL" in capsys.readouterr().err
+    assert run_worker({"LIGHTNING_AGENT": "nosuch_mod:f", "LIGHTNING_ROLLOUT_JOB": job,
+                       "LIGHTNING_STORE_URL": "sqlite://"}) == 2
+    assert "cannot import the agent 'nosuch_mod:f'" in capsys.readouterr().err
