@@ -13,9 +13,10 @@ ones built later (`model_copy()`, re-created models): recording never silently
 stops. Pass `http_client=` / `http_async_client=` to keep a model separate.
 
 Agent names: wrap() adds a callback handler to the model that names each call
-from the run's metadata `lc_agent_name` (set by `langchain.agents.create_agent(
-name=...)`), `lightning_agent`, a tag `agent:<name>`, or a run name set by the
-user (`.with_config(run_name=...)`), in that order.
+from the run's metadata `lightning_agent`, `lc_agent_name` (set by
+`langchain.agents.create_agent(name=...)`), a tag `agent:<name>`, a run name set
+by the user (`.with_config(run_name=...)`), or else the LangGraph node the call
+runs in (metadata `langgraph_node`), in that order: a graph's nodes are its agents.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def _handler_class() -> type:
             default = (serialized or {}).get("name") or (serialized or {}).get("id", [None])[-1]
             if name and name != default and not name.endswith("ChatOpenAI"):
                 return name
-            return None
+            node = md.get("langgraph_node")
+            return str(node) if node else None
 
         def on_chat_model_start(self, serialized: dict[str, Any], messages: Any, *, run_id: UUID,
                                 parent_run_id: UUID | None = None, tags: list[str] | None = None,

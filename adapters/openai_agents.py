@@ -6,9 +6,10 @@ The SDK sends through an `AsyncOpenAI`: the one given to
 one an `OpenAIProvider` builds. wrap() of such a model, provider, or of an
 `Agent` whose `model` is such an object, records on `model._client._client`.
 
-Chat completions carry vLLM's token IDs; the Responses API (the SDK's default)
-does not, so those calls are recorded with a warning and are not trainable. Use
-`set_default_openai_api("chat_completions")` or `OpenAIChatCompletionsModel`.
+Chat completions carry vLLM's token IDs; the Responses API (the SDK's default) is
+translated into chat completions by the recording transport (docs/formats.md), so
+those calls are training calls too (`wrap(..., translate=False)`: sent as they are,
+recorded without token IDs).
 
 Agent names: the SDK's run loop calls `get_new_response(bindings, ...)` (non-
 streamed) and `run_single_turn_streamed(streamed_result, bindings, ...)` once per

@@ -116,7 +116,7 @@ def main() -> None:
         d = Path(tmp)
         for name in args.models.split(","):
             base = build_tiny_model(d / name, seed=0) if name == "tiny" else smollm2_shape(d / name)
-            vocab = 49152 if name != "tiny" else 2048
+            vocab = json.loads((base / "config.json").read_text())["vocab_size"]  # the tiny tokenizer's may be < 2048
             variants = [reinit_weights(base, d / f"{name}-v{i}", seed=10 + i) for i in (1, 2)]
             res = swap_pauses(base, variants, adapters_for(base, d, vocab), args.swaps, d)
             for label, adapter in (("full", None), ("lora", AdapterConfig(rank=RANK))):

@@ -8,6 +8,7 @@
 
 from lightning_middleware.capture import agent_scope, emit_reward, propagate, rollout, rollout_headers, wrap
 from lightning_middleware.records import LLMCall, Mode, PolicyVersion, Reward, Rollout, RolloutStatus, TrainStep
+from lightning_middleware.rewards import RewardConfig, Score, Scorer
 from lightning_middleware.store import StoreError, TraceStore
 
 __version__ = "0.1.0"
@@ -17,8 +18,11 @@ __all__ = [
     "Mode",
     "PolicyVersion",
     "Reward",
+    "RewardConfig",
     "Rollout",
     "RolloutStatus",
+    "Score",
+    "Scorer",
     "StoreError",
     "TraceStore",
     "TrainStep",

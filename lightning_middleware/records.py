@@ -97,6 +97,12 @@ class LLMCall:
     Choice 0 of the response is `completion_token_ids` / `logprobs` / `finish_reason`;
     the other choices of a request with `n` > 1 are `extra_choices`, in index order.
     `choices` is all of them, choice 0 first.
+
+    A call whose caller spoke another format (the Responses API, Anthropic Messages) was sent
+    to the engine translated into chat completions: `request` and `response` are the chat
+    request and answer the engine saw (so rows, sampling and analysis read it like any chat
+    call), `source_format` names the caller's format and `source_request` is what the caller
+    sent (`lightning_middleware.formats`).
     """
 
     id: str
@@ -122,6 +128,8 @@ class LLMCall:
     policy_version: int | None = None
     request_hash: str | None = None
     extra_choices: tuple[Choice, ...] = ()
+    source_format: str | None = None  # "responses" | "anthropic.messages"; None: the caller spoke chat
+    source_request: dict[str, Any] | None = None
 
     @property
     def has_token_ids(self) -> bool:
@@ -143,6 +151,17 @@ class LLMCall:
 
 @dataclass(frozen=True)
 class Reward:
+    """One reward event of a rollout.
+
+    `final` ones set the rollout's `final_reward` (the number the trainer trains on) while no
+    trainer has claimed or consumed the rollout. `call_index` ties a per-step reward to one call
+    (turn) of the rollout; such a reward is never final. `config_hash` names the reward
+    configuration a component or combined reward was computed under (`lightning_middleware.rewards`);
+    None for a reward reported as it is. `agent` names the agent of a multi-agent rollout the
+    reward is for (e.g. "reviewer"): a final one is that agent's reward
+    (`TraceStore.agent_rewards`) and never moves the rollout's `final_reward`.
+    """
+
     rollout_id: str
     value: float
     name: str | None = None
@@ -150,6 +169,20 @@ class Reward:
     created_at: float = 0.0
     metadata: dict[str, Any] = field(default_factory=dict)
     id: int | None = None
+    call_index: int | None = None
+    config_hash: str | None = None
+    agent: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.call_index is not None and self.final:
+            raise ValueError("a per-step reward (call_index set) cannot be final: pass final=False")
+        if self.agent is not None and (not isinstance(self.agent, str) or not self.agent or len(self.agent) > 128):
+            raise ValueError(f"a reward's agent must be a non-empty name of at most 128 characters, got {self.agent!r}")
+
+    @property
+    def sets_final_reward(self) -> bool:
+        """Whether this reward is a candidate for the rollout's `final_reward` (a rollout-level final one)."""
+        return self.final and self.agent is None
 
 
 @dataclass(frozen=True)

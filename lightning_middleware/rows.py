@@ -7,7 +7,8 @@ A row is one token sequence the model is trained on. The rule (docs/trainer.md):
    Retries: the store marks at most one attempt of a call as training; if two training
    attempts share a call_index the later attempt wins and the duplicate is counted.
 2. Calls are taken in (call_index, attempt) order and split into threads by
-   `agent_name`; each thread has at most one open row.
+   (`agent_name`, `model`); each thread has at most one open row. The model is the served name
+   the call went to: with separate policies per agent, its policy; a row never mixes two.
 3. A call extends its thread's open row when its prompt token IDs start with the row's
    full token IDs (earlier prompts + completions + observations). The new prompt tail
    (tool results, new user turns, template tokens) gets loss-mask 0; the completion
@@ -73,6 +74,9 @@ class Row:
     temperature: tuple[float, ...] | None = None
     top_p: tuple[float, ...] | None = None
     top_k: tuple[int, ...] | None = None
+    # The served model name its calls went to: with separate policies per agent, the policy
+    # (a row never mixes two; calls of one agent under two models start separate rows).
+    policy: str | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -199,15 +203,21 @@ def continued_choice(call: LLMCall, next_prompt: Sequence[int] | None) -> Choice
     return max(matching, key=lambda c: (len(c.completion_token_ids), -c.index))
 
 
+def _thread(call: LLMCall) -> tuple[str | None, str | None]:
+    """A call's thread: its agent and the model that served it (with separate policies, the
+    policy), so that one row never holds tokens of two policies."""
+    return call.agent_name, call.model
+
+
 def _next_prompts(calls: Sequence[LLMCall]) -> list[tuple[int, ...] | None]:
-    """Per call, the prompt of the next call of its thread (same agent_name); None for the last."""
+    """Per call, the prompt of the next call of its thread; None for the last."""
     out: list[tuple[int, ...] | None] = [None] * len(calls)
-    last: dict[str | None, int] = {}
+    last: dict[tuple[str | None, str | None], int] = {}
     for i, call in enumerate(calls):
-        prev = last.get(call.agent_name)
+        prev = last.get(_thread(call))
         if prev is not None:
             out[prev] = tuple(call.prompt_token_ids)
-        last[call.agent_name] = i
+        last[_thread(call)] = i
     return out
 
 
@@ -219,6 +229,7 @@ class _OpenRow:
     """A row being built; mutable, private."""
 
     agent: str | None
+    policy: str | None = None
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] | None = field(default_factory=list)
@@ -264,6 +275,7 @@ def _finish(row: _OpenRow, rollout_id: str, task_id: str | None, max_len: int | 
         rollout_id=rollout_id,
         task_id=task_id,
         agent=row.agent,
+        policy=row.policy,
         input_ids=tuple(ids),
         loss_mask=tuple(mask),
         behaviour_logprobs=tuple(lps) if lps is not None else None,
@@ -299,7 +311,7 @@ def build_rows(
 ) -> tuple[list[Row], RowStats]:
     """Rows of one rollout, in the order their first call was made, plus counters."""
     used, counts = _select_calls(calls)
-    open_rows: dict[str | None, _OpenRow] = {}
+    open_rows: dict[tuple[str | None, str | None], _OpenRow] = {}
     started: list[_OpenRow] = []
     merges = breaks = no_lp = other = 0
     for call, next_prompt in zip(used, _next_prompts(used)):
@@ -307,15 +319,15 @@ def build_rows(
         other += choice.index != 0
         if _choice_logprobs(choice) is None:
             no_lp += 1
-        row = open_rows.get(call.agent_name)
+        row = open_rows.get(_thread(call))
         if row is not None and row.extends(call.prompt_token_ids):
             merges += 1
         else:
             if row is not None:
                 breaks += 1
                 log.debug("prefix break in rollout %s at call %d", rollout_id, call.call_index)
-            row = _OpenRow(agent=call.agent_name)
-            open_rows[call.agent_name] = row
+            row = _OpenRow(agent=call.agent_name, policy=call.model)
+            open_rows[_thread(call)] = row
             started.append(row)
         row.add(call, choice)
 

@@ -158,9 +158,12 @@ def sft_records(store: TraceStore, flt: ExportFilter | None = None, *, max_len: 
                 ) -> Iterator[dict[str, Any]]:
     """SFT records, one per training row of each selected rollout (fields: docs/analysis.md)."""
     flt = flt or ExportFilter()
-    for r, rows, by_id in _rows_of(store, select_rollouts(store, flt), max_len):
+    selected = select_rollouts(store, flt)
+    agents, steps = store.agent_rewards([r.id for r in selected]), store.step_rewards([r.id for r in selected])
+    for r, rows, by_id in _rows_of(store, selected, max_len):
         for i, row in enumerate(rows):
             last = by_id[row.call_ids[-1]]
+            indices = [by_id[c].call_index for c in row.call_ids]
             yield {
                 "id": f"{r.id}:{i}",
                 "rollout_id": r.id,
@@ -170,6 +173,9 @@ def sft_records(store: TraceStore, flt: ExportFilter | None = None, *, max_len: 
                 "mode": r.mode,
                 "status": r.status,
                 "reward": r.final_reward,
+                # this row's agent's own reward (multi-agent rollouts), and the per-step rewards of its calls
+                "agent_reward": agents.get(r.id, {}).get(row.agent) if row.agent else None,
+                "step_rewards": {str(k): v for k, v in steps.get(r.id, {}).items() if k in indices} or None,
                 "policy_version": r.policy_version,
                 "model": last.model,
                 "messages": conversation(last),

@@ -71,15 +71,19 @@ def load_calls(store: TraceStore | str | None = None, *, rollout_ids: Sequence[s
 
 
 def load_rewards(store: TraceStore | str | None = None) -> pd.DataFrame:
-    """Every reward event: rollout_id, name, value, final, created_at, metadata (one query)."""
+    """Every reward event: rollout_id, name, value, final, created_at, metadata, call_index (a
+    per-step reward's call), config_hash (a configured component's configuration), agent (a
+    per-agent reward's agent) (one query)."""
     import pandas as pd
 
     st = open_store(store)
     r = S.rewards.c
-    q = sa.select(r.id, r.rollout_id, r.name, r.value, r.final, r.created_at, r.metadata).order_by(r.id)
+    q = sa.select(r.id, r.rollout_id, r.name, r.value, r.final, r.created_at, r.metadata, r.call_index,
+                  r.config_hash, r.agent).order_by(r.id)
     with st.engine.connect() as conn:
         rows = [{**dict(x._mapping), "final": bool(x.final), "metadata": x.metadata or {}} for x in conn.execute(q)]
-    return pd.DataFrame(rows, columns=["id", "rollout_id", "name", "value", "final", "created_at", "metadata"])
+    return pd.DataFrame(rows, columns=["id", "rollout_id", "name", "value", "final", "created_at", "metadata",
+                                       "call_index", "config_hash", "agent"])
 
 
 def tokens_and_turns(calls: pd.DataFrame) -> pd.DataFrame:

@@ -35,6 +35,12 @@ def _show_rollout(store: TraceStore, rollout_id: str) -> int:
         print(f"no rollout {rollout_id!r} in {store.safe_url}")
         return 1
     print(json.dumps({k: v for k, v in r.__dict__.items()}, default=str, indent=2))
+    for w in store.rewards(rollout_id):
+        where = "".join([f" call={w.call_index}" if w.call_index is not None else "",
+                         f" agent={w.agent}" if w.agent is not None else "",
+                         f" config={w.config_hash}" if w.config_hash is not None else ""])
+        print(f"- reward {w.name or '-'} = {w.value:g}{' final' if w.final else ''}{where}"
+              f"{' late' if w.metadata.get('late') else ''}")
     for c in store.calls(rollout_id):
         message = ((c.response or {}).get("choices") or [{}])[0].get("message") or {}
         print(f"- call {c.call_index} attempt {c.attempt} {c.endpoint} status={c.status_code} "

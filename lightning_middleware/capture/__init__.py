@@ -4,7 +4,7 @@
 `rollout(...)` opens the rollout the calls belong to; the gateway enters through `begin_call`.
 """
 
-from lightning_middleware.capture.calls import CaptureSettings, attempt_of, begin_call, scrub_secrets
+from lightning_middleware.capture.calls import CaptureSettings, Source, attempt_of, begin_call, scrub_secrets
 from lightning_middleware.capture.context import (
                                                   AGENT_HEADER,
                                                   ROLLOUT_HEADER,
@@ -28,6 +28,7 @@ __all__ = [
     "CaptureSettings",
     "RolloutHandle",
     "RolloutState",
+    "Source",
     "agent_scope",
     "attempt_of",
     "begin_call",

@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,9 @@ from lightning_middleware.store import TraceStore
 
 log = logging.getLogger(__name__)
 
-_ENDPOINTS = (("/chat/completions", "chat.completions"), ("/completions", "completions"), ("/responses", "responses"))
+_ENDPOINTS = (("/chat/completions", "chat.completions"), ("/completions", "completions"), ("/responses", "responses"),
+              ("/v1/messages", "anthropic.messages"))
+TRAINABLE_ENDPOINTS = frozenset({"chat.completions", "completions"})  # vLLM returns token IDs for these
 ROUTING_HEADERS = (ROLLOUT_HEADER, AGENT_HEADER)
 _warned: set[str] = set()
 
@@ -90,9 +93,23 @@ class CaptureSettings:
     inject_logprobs: bool = True
     # Remove the fields only our injection produced from what the caller gets (the gateway keeps them).
     strip_added: bool = True
+    # Responses / Anthropic Messages requests sent as chat completions: None (the default) translates
+    # unless the host is the format's own vendor API (`formats.Format.vendor_hosts`), True always, False never.
+    translate: bool | None = None
     # Hosts that answered 400 to the injected fields: leave their requests alone.
     no_inject_hosts: set[str] = field(default_factory=set)
+    # Separate policies per agent: agent name -> the served model name of its policy (a LoRA
+    # adapter's name). A call of a mapped agent is sent, and recorded, under that model whatever
+    # model the agent code wrote; other agents' calls go to `default_policy` (None: as written).
+    policies: Mapping[str, str] = field(default_factory=dict)
+    default_policy: str | None = None
     _unattached_counter: Any = field(default_factory=lambda: _Counter())
+
+    def policy_for(self, agent: str | None) -> str | None:
+        """The served model name a call of `agent` goes to, or None to leave the request's own."""
+        if agent is not None and agent in self.policies:
+            return self.policies[agent]
+        return self.default_policy
 
 
 class _Counter:
@@ -104,6 +121,15 @@ class _Counter:
         with self._lock:
             self._n += 1
             return self._n - 1
+
+
+@dataclass(frozen=True)
+class Source:
+    """What the caller sent when it spoke another format: the call went to the engine translated
+    into chat completions (`lightning_middleware.formats`), and its record keeps both."""
+
+    format: str  # "responses" | "anthropic.messages"
+    request: dict[str, Any]
 
 
 # --------------------------------------------------------------------------
@@ -122,6 +148,9 @@ class PendingCall:
     body: bytes  # the request body as the caller sent it
     payload: dict[str, Any]  # ... parsed
     added: frozenset[str]  # fields we added to the request (removed again from what the caller gets)
+    source: Source | None = None  # the caller's own request, when `payload` is its translation
+    # The record's id, known before the answer: a translated answer carries it (`resp_<id>`).
+    call_id: str = field(default_factory=new_id)
     started_at: float = field(default_factory=time.time)
     t0: float = field(default_factory=time.perf_counter)
     done: bool = False
@@ -180,7 +209,7 @@ class DeferredCall:
         if self.status_code is not None and not ok:
             error = f"HTTP {self.status_code}" + ("" if streaming else f": {collector.raw_text(500)}")
         has_ids = bool(a.prompt_token_ids) and bool(a.completion_token_ids)
-        trainable = p.endpoint != "responses"
+        trainable = p.endpoint in TRAINABLE_ENDPOINTS
         if ok and a.complete and not has_ids and trainable:
             _warn_once("no-ids", "the LLM server returned no token IDs (is it vLLM?); calls are recorded "
                        "but can't be trained on")
@@ -188,7 +217,7 @@ class DeferredCall:
         if pv is None and p.state is not None:
             pv = p.state.policy_version
         return LLMCall(
-            id=new_id(),
+            id=p.call_id,
             rollout_id=None if p.state is None else p.state.id,
             call_index=p.call_index,
             attempt=p.attempt,
@@ -211,27 +240,39 @@ class DeferredCall:
             policy_version=pv,
             request_hash=hashlib.sha256(p.body).hexdigest(),
             extra_choices=tuple(a.extra_choices),
+            source_format=None if p.source is None else p.source.format,
+            source_request=None if p.source is None else scrub_secrets(p.source.request)[0],
         )
 
 
-def begin_request(settings: CaptureSettings, request: Any, body: bytes) -> tuple[PendingCall | None, bytes | None]:
-    """Decide whether to record `request`; returns (pending, new body or None if unchanged)."""
+def begin_request(settings: CaptureSettings, request: Any, body: bytes, *, payload: dict[str, Any] | None = None,
+                  source: Source | None = None) -> tuple[PendingCall | None, bytes | None]:
+    """Decide whether to record `request`; returns (pending, new body or None if unchanged).
+
+    `payload`: the body already parsed (a translated request); `source`: what the caller sent.
+    """
     endpoint = _endpoint_of(request.url.path)
     if endpoint is None or request.method != "POST":
         return None, None
-    try:
-        payload = fastjson.loads(body) if body else None
-    except ValueError:
-        payload = None
+    if payload is None:
+        try:
+            payload = fastjson.loads(body) if body else None
+        except ValueError:
+            payload = None
     if not isinstance(payload, dict):
         return None, None
+    return begin_call(settings, endpoint, payload, body, request_state(settings, request), request.url.host,
+                      agent_name=request.headers.get(AGENT_HEADER) or current_agent(),
+                      attempt=attempt_of(request.headers), source=source)
+
+
+def request_state(settings: CaptureSettings, request: Any) -> RolloutState | None:
+    """The rollout a request belongs to: the current one, or the one its `x-rollout-id` names."""
     state = current_rollout()
     header_rid = request.headers.get(ROLLOUT_HEADER)
     if state is None and header_rid:
         state = state_for_header(header_rid, settings.store)
-    return begin_call(settings, endpoint, payload, body, state, request.url.host,
-                      agent_name=request.headers.get(AGENT_HEADER) or current_agent(),
-                      attempt=attempt_of(request.headers))
+    return state
 
 
 def attempt_of(headers: Any) -> int:
@@ -244,30 +285,37 @@ def attempt_of(headers: Any) -> int:
 
 def begin_call(settings: CaptureSettings, endpoint: str, payload: dict[str, Any], body: bytes,
                state: RolloutState | None, host: str, *, agent_name: str | None = None,
-               attempt: int = 1) -> tuple[PendingCall | None, bytes | None]:
+               attempt: int = 1, source: Source | None = None) -> tuple[PendingCall | None, bytes | None]:
     """Start recording one call whose body is already parsed: (pending, body to send instead, or None).
 
     The recording transport enters here for every request it sees; the gateway, which
     has parsed and routed the request itself, enters here directly. None: not recorded.
     """
+    served = settings.policy_for(agent_name)
+    rerouted = served is not None and payload.get("model") != served
+    if rerouted:
+        payload = {**payload, "model": served}
     if state is None and not settings.record_unattached:
-        return None, None
+        return None, fastjson.dumps(payload).encode() if rerouted else None
     additions = _additions(settings, endpoint, payload, state, host)
     pending = PendingCall(
         settings=settings, endpoint=endpoint, state=state,
         call_index=state.next_call_index() if state is not None else settings._unattached_counter(),
         attempt=attempt, agent_name=agent_name, body=body, payload=payload, added=frozenset(additions),
+        source=source,
     )
-    if endpoint == "responses":
-        _warn_once("responses", "Responses API calls are recorded but vLLM returns no token IDs there; "
-                   "use chat.completions for training (see docs)")
+    if endpoint not in TRAINABLE_ENDPOINTS:
+        _warn_once(endpoint, "%s calls sent untranslated are recorded but carry no token IDs: leave translation "
+                   "on (wrap(translate=None), the gateway's default) to train on them (docs/formats.md)", endpoint)
+    if rerouted:  # a new model: serialise once (a rare path; the common one splices bytes)
+        return pending, fastjson.dumps({**payload, **additions}).encode()
     return pending, _splice(body, payload, additions) if additions else None
 
 
 def _additions(settings: CaptureSettings, endpoint: str, payload: dict[str, Any], state: RolloutState | None,
                host: str) -> dict[str, Any]:
     """The fields to add to the request body; the caller's own settings always win."""
-    if endpoint == "responses" or not settings.inject_token_ids or host in settings.no_inject_hosts:
+    if endpoint not in TRAINABLE_ENDPOINTS or not settings.inject_token_ids or host in settings.no_inject_hosts:
         return {}
     out: dict[str, Any] = {}
     if "return_token_ids" not in payload:

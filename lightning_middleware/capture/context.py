@@ -17,12 +17,15 @@ import functools
 import inspect
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from lightning_middleware.records import Mode, Reward, Rollout, RolloutStatus, new_id
+from lightning_middleware.rewards import RewardConfig, Scorer, load_config
+from lightning_middleware.rewards.config import AGENT
 from lightning_middleware.store import TraceStore, get_store
 
 log = logging.getLogger(__name__)
@@ -37,18 +40,22 @@ class RolloutState:
     """The mutable part of a rollout that its LLM calls share (internal)."""
 
     def __init__(self, rollout_id: str, task_id: str | None, mode: str, store: TraceStore,
-                 policy_version: int | None = None) -> None:
+                 policy_version: int | None = None, scorer: Scorer | None = None) -> None:
         self.id = rollout_id
         self.task_id = task_id
         self.mode = mode
         self.store = store
         self.policy_version = policy_version
+        self.scorer = scorer  # the reward configuration scored at the rollout's end, if any
+        self.ended = False
+        self.last_call_index: int | None = None
         self._counter = itertools.count()
         self._lock = threading.Lock()
 
     def next_call_index(self) -> int:
         with self._lock:
-            return next(self._counter)
+            self.last_call_index = next(self._counter)
+            return self.last_call_index
 
     def continue_from(self, index: int) -> None:
         """Number the next call `index` (a rollout reopened after a restart keeps its numbering)."""
@@ -96,6 +103,67 @@ def rollout_headers() -> dict[str, str]:
     return {} if state is None else {ROLLOUT_HEADER: state.id}
 
 
+def _checked_value(value: Any) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"reward must be a number, got {value!r}") from None
+    if value != value:  # NaN would poison a whole GRPO group
+        raise ValueError("reward is NaN")
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"reward must be a finite number, got {value}")
+    return float(value)
+
+
+def _checked_agent(agent: Any) -> str | None:
+    if agent is not None and (not isinstance(agent, str) or not agent.strip() or len(agent) > 128):
+        raise ValueError(f"agent must be an agent's name (a non-empty string of at most 128 characters), got {agent!r}")
+    return agent
+
+
+def record_reward(state: RolloutState, value: Any, *, name: str | None = None, final: bool | None = None,
+                  metadata: dict[str, Any] | None = None, call_index: int | None = None,
+                  agent: str | None = None) -> None:
+    """`RolloutHandle.reward` for any holder of a rollout's state (see there)."""
+    value = _checked_value(value)
+    agent = _checked_agent(agent)
+    if call_index is not None and (isinstance(call_index, bool) or not isinstance(call_index, int)
+                                   or call_index < 0):
+        raise ValueError(f"call_index must be a call's index (an int >= 0), got {call_index!r}")
+    if call_index is not None and final:
+        raise ValueError("a per-step reward (call_index) cannot be final")
+    meta = dict(metadata or {})
+    if state.ended:
+        meta["late"] = True
+    final = call_index is None if final is None else final
+    if state.scorer is not None and call_index is None and agent is None:
+        name, final = name or AGENT, False  # an input of the configured components
+    reward = Reward(rollout_id=state.id, value=value, name=name, final=final, created_at=time.time(),
+                    metadata=meta, call_index=call_index, agent=agent)
+    if not state.ended or state.scorer is None or agent is not None:  # a per-agent reward is no component
+        state.store.submit_reward(reward)  # late: the store's rule decides whether it moves final_reward
+    else:
+        state.store.add_reward(reward)
+        _score(state, None)  # late: combine again with it (the reward model is not asked again)
+
+
+def _score(state: RolloutState, status: str | None) -> None:
+    """Score the rollout under its configuration; a failure is logged, never raised into the agent."""
+    assert state.scorer is not None
+    try:
+        if not state.store.flush(30.0):
+            log.warning("rollout %s: its calls are not all in the store; scoring what is there", state.id)
+        state.scorer.score_rollout(state.store, state.id, status=status, reuse_model=status is None)
+    except Exception:  # noqa: BLE001 - a broken store or rule must not fail the agent's run
+        log.exception("rollout %s could not be scored under reward configuration %s", state.id, state.scorer.hash)
+
+
+def _scorer(rewards: RewardConfig | Scorer | str | os.PathLike[str] | None) -> Scorer | None:
+    if rewards is None or isinstance(rewards, Scorer):
+        return rewards
+    return Scorer(rewards if isinstance(rewards, RewardConfig) else load_config(rewards))
+
+
 class RolloutHandle:
     """What `with rollout(...) as r` gives: the rollout's id and a way to reward it."""
 
@@ -110,19 +178,25 @@ class RolloutHandle:
     def task_id(self) -> str | None:
         return self._state.task_id
 
-    def reward(self, value: float, *, name: str | None = None, final: bool = True,
-               metadata: dict[str, Any] | None = None) -> None:
-        """Record a reward; a final one (the default) becomes the rollout's training reward."""
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            raise TypeError(f"reward must be a number, got {value!r}") from None
-        if value != value:  # NaN would poison a whole GRPO group
-            raise ValueError("reward is NaN")
-        self._state.store.submit_reward(Reward(
-            rollout_id=self._state.id, value=value, name=name, final=final,
-            created_at=time.time(), metadata=metadata or {},
-        ))
+    @property
+    def last_call_index(self) -> int | None:
+        """The index of the rollout's latest LLM call (None before the first): for a per-step reward."""
+        return self._state.last_call_index
+
+    def reward(self, value: float, *, name: str | None = None, final: bool | None = None,
+               metadata: dict[str, Any] | None = None, call_index: int | None = None,
+               agent: str | None = None) -> None:
+        """Record a reward; a final one (the default) becomes the rollout's training reward.
+
+        `call_index` ties it to one call (a per-step reward, never final). With a reward
+        configuration (`rollout(..., rewards=...)`) the agent's reward is one input of the
+        configured components (stored as "agent" unless named) and the combination is final.
+        A reward after the rollout ended is kept, marked `late` (docs/rewards.md has the rule).
+        `agent` rewards one agent of a multi-agent rollout (`TraceStore.agent_rewards`); it never
+        moves the rollout's final reward, nor is it a configured component.
+        """
+        record_reward(self._state, value, name=name, final=final, metadata=metadata, call_index=call_index,
+                      agent=agent)
 
     def __repr__(self) -> str:
         return f"RolloutHandle(id={self.id!r}, task_id={self.task_id!r})"
@@ -133,13 +207,14 @@ class _RolloutScope:
 
     def __init__(self, task_id: str, *, input: Any, mode: str, metadata: dict[str, Any] | None,
                  store: TraceStore | str | None, rollout_id: str | None, policy_version: int | None,
-                 flush_timeout: float) -> None:
+                 flush_timeout: float, rewards: RewardConfig | Scorer | str | os.PathLike[str] | None = None) -> None:
         if mode not in (Mode.TRAIN.value, Mode.VAL.value):
             raise ValueError(f"mode must be 'train' or 'val', got {mode!r}")
         if not isinstance(task_id, str) or not task_id:
             raise ValueError(f"task_id must be a non-empty string, got {task_id!r}")
         self._args = dict(task_id=task_id, input=input, mode=mode, metadata=metadata, store=store,
-                          rollout_id=rollout_id, policy_version=policy_version, flush_timeout=flush_timeout)
+                          rollout_id=rollout_id, policy_version=policy_version, flush_timeout=flush_timeout,
+                          rewards=_scorer(rewards))  # a bad configuration fails here, not at the end
         self._frames: list[tuple[RolloutState, contextvars.Token[RolloutState | None], float]] = []
 
     # -- context manager -----------------------------------------------------
@@ -147,7 +222,7 @@ class _RolloutScope:
         a = self._args
         store = get_store(a["store"])
         state = RolloutState(a["rollout_id"] or new_id(), a["task_id"], a["mode"], store,
-                             a["policy_version"])
+                             a["policy_version"], a["rewards"])
         started = time.time()
         store.submit_rollout(Rollout(
             id=state.id, task_id=a["task_id"], mode=Mode(a["mode"]), status=RolloutStatus.RUNNING,
@@ -159,15 +234,25 @@ class _RolloutScope:
         self._frames.append((state, _current.set(state), time.monotonic()))
         return RolloutHandle(state)
 
-    def _leave(self, exc_type: type[BaseException] | None, exc: BaseException | None) -> RolloutState:
-        """Restore the outer context and submit the rollout's end; the caller flushes."""
+    def _leave(self, exc_type: type[BaseException] | None,
+               exc: BaseException | None) -> tuple[RolloutState, str, str | None, float]:
+        """Restore the outer context; the rollout's (state, status, error, start) for `_end`."""
         state, token, t0 = self._frames.pop()
         _current.reset(token)
         with _active_lock:
             _active.pop(state.id, None)
         status, error = _outcome(exc_type, exc)
+        return state, status, error, t0
+
+    @staticmethod
+    def _end(state: RolloutState, status: str, error: str | None, t0: float) -> RolloutState:
+        """Score the rollout (with a reward configuration: its final reward is in before it shows
+        as ended) and submit its end; the caller flushes."""
+        if state.scorer is not None:
+            _score(state, status)
         state.store.submit_rollout_end(state.id, status=status, ended_at=time.time(),
                                        duration_s=time.monotonic() - t0, error=error)
+        state.ended = True
         return state
 
     @staticmethod
@@ -176,15 +261,16 @@ class _RolloutScope:
             log.warning("rollout %s ended but its traces are not on disk yet (store unavailable?)", state.id)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: Any) -> None:
-        state = self._leave(exc_type, exc)
+        state = self._end(*self._leave(exc_type, exc))
         self._warn_unflushed(state, state.store.flush(self._args["flush_timeout"]))
 
     async def __aenter__(self) -> RolloutHandle:
         return self.__enter__()
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: Any) -> None:
-        state = self._leave(exc_type, exc)
-        # flush() may wait on the writer thread: keep the event loop free meanwhile.
+        left = self._leave(exc_type, exc)
+        # Scoring and flush() may wait on the store, a judge: keep the event loop free meanwhile.
+        state = await asyncio.to_thread(self._end, *left) if left[0].scorer is not None else self._end(*left)
         self._warn_unflushed(state, await asyncio.to_thread(state.store.flush, self._args["flush_timeout"]))
 
     # -- decorator -----------------------------------------------------------
@@ -215,25 +301,31 @@ def _outcome(exc_type: type[BaseException] | None, exc: BaseException | None) ->
 
 def rollout(task_id: str, *, input: Any = None, mode: str = "train", metadata: dict[str, Any] | None = None,
             store: TraceStore | str | None = None, rollout_id: str | None = None,
-            policy_version: int | None = None, flush_timeout: float = 10.0) -> _RolloutScope:
+            policy_version: int | None = None, flush_timeout: float = 10.0,
+            rewards: RewardConfig | Scorer | str | os.PathLike[str] | None = None) -> _RolloutScope:
     """Open a rollout of `task_id`: every LLM call made inside is recorded under it.
 
     Use as `with rollout("task-7") as r:`, `async with ...`, or `@rollout("task-7")`.
     Rollouts sharing a task_id form one GRPO group. Leaving the block marks the
     rollout succeeded, or failed (timeout for TimeoutError) with the exception
     text, records its duration, and flushes its traces to the store.
+
+    `rewards` (a `RewardConfig`, a `Scorer` or a TOML/JSON file) scores the rollout as it ends:
+    its components and their weighted sum, the final reward (docs/rewards.md).
     """
     return _RolloutScope(task_id, input=input, mode=mode, metadata=metadata, store=store,
-                         rollout_id=rollout_id, policy_version=policy_version, flush_timeout=flush_timeout)
+                         rollout_id=rollout_id, policy_version=policy_version, flush_timeout=flush_timeout,
+                         rewards=rewards)
 
 
-def emit_reward(value: float, *, name: str | None = None, final: bool = True,
-                metadata: dict[str, Any] | None = None) -> None:
-    """Reward the current rollout from anywhere inside it."""
+def emit_reward(value: float, *, name: str | None = None, final: bool | None = None,
+                metadata: dict[str, Any] | None = None, call_index: int | None = None,
+                agent: str | None = None) -> None:
+    """Reward the current rollout from anywhere inside it (arguments: `RolloutHandle.reward`)."""
     state = _current.get()
     if state is None:
         raise RuntimeError("emit_reward() called outside a rollout: wrap the agent run in `with rollout(...)`")
-    RolloutHandle(state).reward(value, name=name, final=final, metadata=metadata)
+    record_reward(state, value, name=name, final=final, metadata=metadata, call_index=call_index, agent=agent)
 
 
 class agent_scope:

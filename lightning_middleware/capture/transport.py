@@ -18,6 +18,10 @@ in front of that client's transport. For each chat/completions request it:
 If a server rejects the extra fields with a 400, the request is resent once as
 the caller wrote it and injection stops for that host: recording must never be
 why an agent's call fails.
+
+Responses API and Anthropic Messages requests bound for a chat-completions server
+are translated first (`capture/translation.py`): they leave as chat completions,
+are recorded as such, and the body handed back is rewritten into the caller's format.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 
 from lightning_middleware.capture.assembly import BodyRewriter, EventRewriter
 from lightning_middleware.capture.calls import ROUTING_HEADERS, CaptureSettings, PendingCall, begin_request
+from lightning_middleware.capture.translation import Outgoing, format_to_translate, translate_outgoing
 
 log = logging.getLogger(__name__)
 
@@ -102,30 +107,52 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
         if new_body is not None:
             set_body(request, new_body)
 
-    def start(settings: CaptureSettings, request: Any, body: bytes) -> PendingCall | None:
-        """Begin recording `request` and edit it for sending; None: forward it unrecorded."""
+    def start(settings: CaptureSettings, request: Any, body: bytes) -> Outgoing:
+        """Begin recording `request` (translating it first if it speaks another format) and edit
+        it for sending; an empty `Outgoing`: forward it unrecorded, as it is."""
         try:
-            pending, new_body = begin_request(settings, request, body)
-            if pending is not None:
-                prepare(request, new_body)
+            fmt = format_to_translate(settings, request)
+            if fmt is not None:
+                out = translate_outgoing(settings, request, body, fmt)
+            else:
+                pending, new_body = begin_request(settings, request, body)
+                out = Outgoing(pending, new_body)
+            if out.pending is not None or out.translation is not None:
+                prepare(request, out.body)
             else:
                 strip_routing_headers(request)
-            return pending
+                if out.body is not None:  # unrecorded, but routed to its agent's policy
+                    set_body(request, out.body)
+            return out
         except Exception:
             log.exception("capture failed before sending; forwarding unrecorded")
-            return None
+            return Outgoing()
 
-    def tee(response: Any, pending: PendingCall, tee_cls: type) -> Any:
+    def refuse(request: Any, refusal: tuple[int, bytes]) -> Any:
+        """The answer to a request that cannot be translated: it never leaves the process."""
+        status, body = refusal
+        return module.Response(status, headers={"content-type": "application/json"}, content=body, request=request)
+
+    def tee(response: Any, out: Outgoing, tee_cls: type) -> Any:
         chunks: list[bytes] = []
+        pending = out.pending
 
         def on_close() -> None:
-            pending.finish(status_code=response.status_code, chunks=chunks, headers=response.headers)
+            if pending is not None:
+                pending.finish(status_code=response.status_code, chunks=chunks, headers=response.headers)
 
         try:
-            response.stream = tee_cls(response.stream, chunks, on_close, rewriter_for(response, pending))
+            if out.translation is not None:
+                response.headers.pop("content-length", None)  # the caller's body is another one now
+                rewriter = out.translation.rewriter(response.status_code, response.headers.get("content-type", ""))
+            else:
+                assert pending is not None
+                rewriter = rewriter_for(response, pending)
+            response.stream = tee_cls(response.stream, chunks, on_close, rewriter)
         except Exception as exc:  # hand back the untouched response rather than fail the call
             log.exception("could not tee a response; the call is recorded without its body")
-            pending.finish(status_code=response.status_code, headers=response.headers, error=f"recorder: {exc}")
+            if pending is not None:
+                pending.finish(status_code=response.status_code, headers=response.headers, error=f"recorder: {exc}")
         return response
 
     def rewriter_for(response: Any, pending: PendingCall) -> Any:
@@ -155,18 +182,22 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
             self.settings = settings
 
         def handle_request(self, request: Any) -> Any:
-            pending = start(self.settings, request, request.read())
-            if pending is None:
+            out = start(self.settings, request, request.read())
+            if out.refusal is not None:
+                return refuse(request, out.refusal)
+            pending = out.pending
+            if pending is None and out.translation is None:
                 return self.inner.handle_request(request)
             try:
                 response = self.inner.handle_request(request)
-                if rejected_injection(pending, request, response):
+                if pending is not None and rejected_injection(pending, request, response):
                     response.close()
                     response = self.inner.handle_request(request)
             except Exception as exc:
-                pending.finish(error=f"{type(exc).__name__}: {exc}")
+                if pending is not None:
+                    pending.finish(error=f"{type(exc).__name__}: {exc}")
                 raise
-            return tee(response, pending, TeeStream)
+            return tee(response, out, TeeStream)
 
         def close(self) -> None:
             self.inner.close()
@@ -177,18 +208,22 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
             self.settings = settings
 
         async def handle_async_request(self, request: Any) -> Any:
-            pending = start(self.settings, request, await request.aread())
-            if pending is None:
+            out = start(self.settings, request, await request.aread())
+            if out.refusal is not None:
+                return refuse(request, out.refusal)
+            pending = out.pending
+            if pending is None and out.translation is None:
                 return await self.inner.handle_async_request(request)
             try:
                 response = await self.inner.handle_async_request(request)
-                if rejected_injection(pending, request, response):
+                if pending is not None and rejected_injection(pending, request, response):
                     await response.aclose()
                     response = await self.inner.handle_async_request(request)
             except BaseException as exc:  # CancelledError too: the attempt is recorded as failed
-                pending.finish(error=f"{type(exc).__name__}: {exc}")
+                if pending is not None:
+                    pending.finish(error=f"{type(exc).__name__}: {exc}")
                 raise
-            return tee(response, pending, AsyncTeeStream)
+            return tee(response, out, AsyncTeeStream)
 
         async def aclose(self) -> None:
             await self.inner.aclose()

@@ -39,6 +39,8 @@ def add_cli(sub: Any) -> None:
         q.add_argument("--k8s-image", default=None, help="the rollout image (overrides the template's)")
         q.add_argument("--k8s-namespace", default=None, help="namespace of the rollout Jobs")
         q.add_argument("--k8s-api-url", default=None, help="API server URL without auth (default: kubeconfig)")
+        q.add_argument("--rewards", default=None, metavar="FILE",
+                       help="a reward configuration (TOML/JSON) each rollout is scored under (docs/rewards.md)")
 
     r = cmds.add_parser("run", help="n samples per task (mode train or val)")
     common(r)
@@ -88,7 +90,7 @@ def _controller_from(args: Any) -> RolloutController:
     sys.path.insert(0, os.getcwd())
     return RolloutController(args.agent, store=args.store, backend=_backend_from(args), concurrency=args.concurrency,
                              timeout_s=args.timeout, retry=RetryPolicy(max_attempts=1 + max(0, args.retries)),
-                             workers=args.workers, ray_address=args.ray_address)
+                             workers=args.workers, ray_address=args.ray_address, rewards=args.rewards)
 
 
 def _sigterm_as_ctrl_c() -> None:

@@ -62,7 +62,7 @@ def _final_reward(store: TraceStore, rollout_id: str) -> float | None:
 
 def _scope(job: RolloutJob, store: TraceStore) -> Any:
     return rollout(job.task_id, input=job.task, mode=job.mode, metadata=job.metadata, store=store,
-                   rollout_id=job.rollout_id, policy_version=job.policy_version)
+                   rollout_id=job.rollout_id, policy_version=job.policy_version, rewards=job.rewards)
 
 
 def execute_job(agent: AgentFn, job: RolloutJob, store: TraceStore | None = None) -> RolloutOutcome:
@@ -105,7 +105,7 @@ def execute_job(agent: AgentFn, job: RolloutJob, store: TraceStore | None = None
         return failure(TimeoutError(f"rollout exceeded its {job.timeout_s:g}s timeout"), t0, worker_name())
     except Exception as exc:
         return failure(exc, t0, worker_name())
-    if reward is None:
+    if reward is None or job.rewards is not None:  # configured: the combination, not the agent's number
         reward = _final_reward(store, job.rollout_id)
     return RolloutOutcome(status=RolloutStatus.SUCCEEDED.value, reward=reward,
                           duration_s=time.monotonic() - t0, worker=worker_name())
@@ -127,7 +127,7 @@ async def aexecute_job(agent: AgentFn, job: RolloutJob, store: TraceStore | None
             reward = _apply_return(handle, value)
     except Exception as exc:
         return failure(exc, t0, worker_name())
-    if reward is None:
+    if reward is None or job.rewards is not None:
         reward = await asyncio.to_thread(_final_reward, store, job.rollout_id)
     return RolloutOutcome(status=RolloutStatus.SUCCEEDED.value, reward=reward,
                           duration_s=time.monotonic() - t0, worker=worker_name())

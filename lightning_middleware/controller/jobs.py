@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_middleware.records import Mode
+from lightning_middleware.rewards import RewardConfig
 
 
 class WorkerLost(RuntimeError):
@@ -80,6 +81,9 @@ class RolloutJob:
     store_url: str | None = None
     timeout_s: float | None = None
     created_at: float = 0.0
+    # A reward configuration (or its file) the rollout is scored under as it ends; picklable when
+    # its functions are built-ins or import paths (the process and Ray backends pickle the job).
+    rewards: RewardConfig | str | None = None
 
 
 @dataclass(frozen=True)

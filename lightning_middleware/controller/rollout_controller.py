@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import random
 import threading
 import time
@@ -39,6 +40,7 @@ from lightning_middleware.controller.execution import AgentFn, failure, no_runni
 from lightning_middleware.controller.jobs import ControllerStats, RetryPolicy, RolloutJob, RolloutOutcome, RolloutResult
 from lightning_middleware.controller.tasks import TaskSource, load_tasks
 from lightning_middleware.records import Mode, Rollout, RolloutStatus
+from lightning_middleware.rewards import RewardConfig, Scorer, load_config
 from lightning_middleware.store import TraceStore, get_store
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,11 @@ class RolloutController:
                  policy_version_ttl_s: float = 1.0, lease_s: float = 30.0, reap: bool = True,
                  metadata: dict[str, Any] | None = None, task_id_key: str = "task_id",
                  workers: int | None = None, ray_address: str | None = None,
-                 k8s_template: PodTemplate | None = None) -> None:
+                 k8s_template: PodTemplate | None = None,
+                 rewards: RewardConfig | str | None = None) -> None:
+        """`rewards`: a reward configuration (or its file) each rollout is scored under as it ends
+        (docs/rewards.md); `RolloutResult.reward` is then the combined final reward. `k8s_template`:
+        the pod template of backend="k8s" (docs/kubernetes.md)."""
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         self.agent_ref = agent
@@ -80,6 +86,10 @@ class RolloutController:
         self.reap = reap
         self.metadata = dict(metadata or {})
         self.task_id_key = task_id_key
+        # A file by its absolute path (a worker may run elsewhere); checked here, not in every job.
+        self.rewards = rewards if rewards is None or isinstance(rewards, RewardConfig) else os.path.abspath(rewards)
+        if self.rewards is not None:
+            Scorer(self.rewards if isinstance(self.rewards, RewardConfig) else load_config(self.rewards))
         self.owner = f"{worker_name()}:{uuid.uuid4().hex[:6]}"
         self.stats = ControllerStats()
         self._paused = False
@@ -278,7 +288,7 @@ class RolloutController:
                 job = RolloutJob(rollout_id=uuid.uuid4().hex, task_id=task_id, task=task, sample_index=index,
                                  attempt=attempt, mode=mode, policy_version=pv, metadata=meta,
                                  store_url=self.store.url.render_as_string(hide_password=False),
-                                 timeout_s=self.timeout_s, created_at=time.time())
+                                 timeout_s=self.timeout_s, created_at=time.time(), rewards=self.rewards)
                 ids.append(job.rollout_id)
                 outcome = await self._run_one(job)
             with self._lock:

@@ -1,5 +1,5 @@
 """The gateway's ASGI app: the two proxy routes served raw (every LLM call takes them), the
-rollout, admin, health and models routes by a Starlette router."""
+rollout, admin, health, models and labelling-page (/review) routes by a Starlette router."""
 
 from __future__ import annotations
 
@@ -40,6 +40,17 @@ class GatewayApp:
                                      code="method_not_allowed").reply()(scope, receive, send)
                 return
         await self.router(scope, receive, send)
+
+
+def _review_routes(gw: Gateway) -> list[Any]:
+    """The labelling page at /review (it holds no data, like /health) and its API under
+    /review/api, behind the gateway's token rule; labels combine under the gateway's rewards."""
+    from lightning_middleware.rewards.labelling import Labelling, review_routes
+
+    def check(request: Any) -> None:
+        gw.check_auth(request.headers.get("authorization", ""), request.scope.get("client"))
+
+    return review_routes(Labelling(gw.store, gw.rollouts.scorer), check, prefix="/review")
 
 
 def build_routes(gw: Gateway) -> Starlette:
@@ -88,8 +99,10 @@ def build_routes(gw: Gateway) -> Starlette:
         return JSONResponse({**rollout_json(stored, request), "in_flight": gw.rollouts.in_flight(rid)})
 
     async def reward(request: Request) -> Any:
-        r = await gw.rollouts.add_reward(request.path_params["rid"], await json_body(request))
-        return JSONResponse({"rollout_id": r.rollout_id, "value": r.value, "name": r.name, "final": r.final})
+        r, applied = await gw.rollouts.add_reward(request.path_params["rid"], await json_body(request))
+        return JSONResponse({"rollout_id": r.rollout_id, "value": r.value, "name": r.name, "final": r.final,
+                             "call_index": r.call_index, "agent": r.agent, "late": bool(r.metadata.get("late")),
+                             "applied": applied})
 
     async def finish(request: Request) -> Any:
         done = await gw.rollouts.finish(request.path_params["rid"], await json_body(request, optional=True),
@@ -151,6 +164,7 @@ def build_routes(gw: Gateway) -> Starlette:
         Route("/admin/pause", endpoint(pause), methods=["POST"]),
         Route("/admin/resume", endpoint(resume), methods=["POST"]),
         Route("/admin/state", endpoint(state), methods=["GET"]),
+        *_review_routes(gw),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: bad_method})
     app.state.gateway = gw

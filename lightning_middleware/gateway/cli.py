@@ -35,8 +35,28 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--retry-window", type=float, default=30.0,
                    help="an identical body resent within a rollout this soon after success is answered from it")
     p.add_argument("--policy-version", type=int, default=None, help="policy version served at start")
+    p.add_argument("--policy", action="append", default=[], metavar="AGENT=MODEL",
+                   help="route the calls of agent AGENT (its x-agent-name header) to the served model MODEL, "
+                        "its own policy (a LoRA adapter); repeatable")
+    p.add_argument("--default-policy", default=None, metavar="MODEL",
+                   help="the served model for calls of every other agent (default: as the request says)")
     p.add_argument("--no-record-unattached", action="store_true", help="don't record calls outside rollouts")
+    p.add_argument("--no-translate", action="store_true",
+                   help="send /v1/responses and /v1/messages upstream as they are (replicas that speak those "
+                        "formats; no token IDs) instead of as chat completions")
+    p.add_argument("--rewards", default=None, metavar="FILE",
+                   help="a reward configuration (TOML/JSON) each rollout is scored under as it finishes")
     p.set_defaults(func=run_cli)
+
+
+def _policies(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        agent, sep, model = pair.partition("=")
+        if not sep or not agent or not model:
+            raise ValueError(f"--policy wants AGENT=MODEL, got {pair!r}")
+        out[agent] = model
+    return out
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -52,7 +72,9 @@ def run_cli(args: argparse.Namespace) -> int:
                      max_body_bytes=int(args.max_body_mb * 1024 * 1024), pause_mode=args.pause_mode,
                      pause_wait_s=args.pause_wait, upstream_timeout_s=args.upstream_timeout,
                      health_interval_s=args.health_interval, retry_window_s=args.retry_window,
-                     policy_version=args.policy_version, record_unattached=not args.no_record_unattached)
+                     policy_version=args.policy_version, record_unattached=not args.no_record_unattached,
+                     translate=not args.no_translate, policies=_policies(args.policy),
+                     default_policy=args.default_policy, rewards=args.rewards)
     except (GatewayConfigError, ValueError) as exc:
         log.error("%s", exc)
         return 2

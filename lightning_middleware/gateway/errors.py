@@ -20,13 +20,16 @@ class HTTPError(Exception):
     """An error answer: status, OpenAI-style body, extra headers."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.headers = status, message, type, code, headers or {}
+        self.param = param  # the request field at fault, where one is
 
     def body(self) -> bytes:
-        return json.dumps({"error": {"message": self.message, "type": self.type, "code": self.code or self.status}}
-                          ).encode()
+        error: dict[str, object] = {"message": self.message, "type": self.type, "code": self.code or self.status}
+        if self.param is not None:
+            error["param"] = self.param
+        return json.dumps({"error": error}).encode()
 
     def reply(self) -> Full:
         return Full(self.status, [*JSON_HEADERS, *((k.lower().encode("latin-1"), v.encode("latin-1"))

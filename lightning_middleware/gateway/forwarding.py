@@ -11,6 +11,7 @@ from lightning_middleware.capture import (
     ROLLOUT_HEADER,
     CaptureSettings,
     RolloutState,
+    Source,
     attempt_of,
     begin_call,
 )
@@ -35,17 +36,23 @@ DROP_REQUEST_HEADERS = frozenset({
     "proxy-authorization", "proxy-connection", "authorization", "cookie", "x-api-key", "api-key",
     "idempotency-key", ROLLOUT_HEADER, AGENT_HEADER, "accept-encoding", "expect",
 })
+# The record's endpoint for each upstream path (responses / messages: sent untranslated).
+ENDPOINTS = {"chat/completions": "chat.completions", "completions": "completions", "responses": "responses",
+             "messages": "anthropic.messages"}
 
 
 class Forwarder:
     """One aiohttp session for every upstream request (opened on the gateway's loop)."""
 
     def __init__(self, pool: UpstreamPool, store: TraceStore, *, upstream_api_key: str | None, token: str | None,
-                 connect_timeout_s: float, upstream_timeout_s: float, record_unattached: bool) -> None:
+                 connect_timeout_s: float, upstream_timeout_s: float, record_unattached: bool,
+                 policies: dict[str, str] | None = None, default_policy: str | None = None) -> None:
+        """`policies`: agent name (the `x-agent-name` header) -> its policy's served model name."""
         self.pool, self.store = pool, store
         self.upstream_api_key, self.token = upstream_api_key, token
         self.connect_timeout_s, self.upstream_timeout_s = connect_timeout_s, upstream_timeout_s
         self.record_unattached = record_unattached
+        self.policies, self.default_policy = policies or {}, default_policy
         self.upstream_errors = 0
         self.session: aiohttp.ClientSession | None = None
         self.call_timeout: aiohttp.ClientTimeout | None = None
@@ -65,7 +72,8 @@ class Forwarder:
         self.call_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s,
                                                   sock_read=self.upstream_timeout_s)
         # strip_added=False: gateway callers get the engine's token IDs and logprobs too.
-        self.capture = CaptureSettings(store=self.store, record_unattached=self.record_unattached, strip_added=False)
+        self.capture = CaptureSettings(store=self.store, record_unattached=self.record_unattached, strip_added=False,
+                                       policies=self.policies, default_policy=self.default_policy)
 
     async def close(self) -> None:
         if self.session is not None:
@@ -74,7 +82,7 @@ class Forwarder:
 
     async def forward(self, pairs: list[tuple[str, str]], headers: dict[str, str], path: str, raw: bytes,
                       payload: dict[str, Any], rollout_id: str | None, state: RolloutState | None,
-                      version: int | None) -> Upstreamed:
+                      version: int | None, source: Source | None = None) -> Upstreamed:
         """Record and send the call to a replica (sticky per rollout; the next one if it can't be reached)."""
         if self.session is None:
             await self.open()
@@ -87,7 +95,7 @@ class Forwarder:
             auth = headers.get("authorization")  # a transparent proxy: the upstream's own key
         if auth:
             out.append(("authorization", auth))
-        endpoint = "chat.completions" if path == "chat/completions" else "completions"
+        endpoint = ENDPOINTS[path]
         tried: set[int] = set()
         while True:
             up = self.pool.pick(rollout_id, tried)
@@ -99,7 +107,8 @@ class Forwarder:
             tried.add(up.index)
             try:  # every attempt is recorded; recording never fails the call
                 pending, new_body = begin_call(self.capture, endpoint, payload, raw, state, up.host,  # type: ignore[arg-type]
-                                               agent_name=headers.get(AGENT_HEADER), attempt=attempt_of(headers))
+                                               agent_name=headers.get(AGENT_HEADER), attempt=attempt_of(headers),
+                                               source=source)
             except Exception:
                 log.exception("capture failed before sending; forwarding unrecorded")
                 pending, new_body = None, None

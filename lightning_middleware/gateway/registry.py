@@ -1,5 +1,9 @@
 """Rollouts opened over HTTP: created (idempotent on a client-supplied id), their calls counted,
-rewarded, and finished once their calls in flight have landed in the store."""
+rewarded, and finished once their calls in flight have landed in the store.
+
+With a reward configuration (`Gateway(rewards=...)`) a rollout is scored as it finishes, before
+it shows as finished; a reward sent after that is kept (marked `late`) and combined again.
+Without one, a late final reward moves `final_reward` under the store's rule (reward_ops)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from lightning_middleware.capture import RolloutState
 from lightning_middleware.gateway.errors import HTTPError
 from lightning_middleware.gateway.requests import ID_RE
 from lightning_middleware.records import Mode, Reward, Rollout, RolloutStatus
+from lightning_middleware.rewards import Scorer
+from lightning_middleware.rewards.config import AGENT
 from lightning_middleware.store import TraceStore
 
 log = logging.getLogger(__name__)
@@ -44,9 +50,10 @@ class RolloutEntry:
 class RolloutRegistry:
     """The rollouts this gateway has open (finished ones are forgotten; the store keeps them)."""
 
-    def __init__(self, store: TraceStore, *, finish_wait_s: float = 600.0) -> None:
+    def __init__(self, store: TraceStore, *, finish_wait_s: float = 600.0, scorer: Scorer | None = None) -> None:
         self.store = store
         self.finish_wait_s = finish_wait_s
+        self.scorer = scorer
         self._open: dict[str, RolloutEntry] = {}
 
     def open_count(self) -> int:
@@ -109,14 +116,16 @@ class RolloutRegistry:
             self._open[rid] = entry
         return stored, created
 
-    async def add_reward(self, rollout_id: str, body: dict[str, Any]) -> Reward:
+    async def add_reward(self, rollout_id: str, body: dict[str, Any]) -> tuple[Reward, bool]:
+        """Store a reward (after the finish too: kept as `late`); (the reward, whether it moved
+        the rollout's final reward)."""
         entry = await self.entry(rollout_id, for_call=False)
-        if entry.finished:
-            raise HTTPError(409, f"rollout {rollout_id!r} is finished; send the reward before finishing it",
-                             code="rollout_finished")
-        reward = reward_from(rollout_id, body)
-        await asyncio.to_thread(self.store.add_reward, reward)
-        return reward
+        reward = reward_from(rollout_id, body, scorer=self.scorer, late=entry.finished)
+        applied = await asyncio.to_thread(self.store.add_reward, reward)
+        if entry.finished and self.scorer is not None and reward.call_index is None and reward.agent is None:
+            written = await asyncio.to_thread(self.scorer.score_rollout, self.store, rollout_id, reuse_model=True)
+            applied = written.applied
+        return reward, applied
 
     async def finish(self, rollout_id: str, body: dict[str, Any], *, default_status: str) -> Rollout:
         status = body.get("status", default_status)
@@ -133,7 +142,8 @@ class RolloutRegistry:
             was = stored.status.value if stored else "?"
             raise HTTPError(409, f"rollout {rollout_id!r} is already finished ({was})",
                              code="rollout_finished")
-        reward = reward_from(rollout_id, {"value": body["reward"]}) if body.get("reward") is not None else None
+        reward = (reward_from(rollout_id, {"value": body["reward"]}, scorer=self.scorer)
+                  if body.get("reward") is not None else None)
         entry.finished = True  # new calls get 409 from here on
         try:
             await asyncio.wait_for(entry.idle.wait(), self.finish_wait_s)
@@ -142,18 +152,47 @@ class RolloutRegistry:
         if reward is not None:
             await asyncio.to_thread(self.store.add_reward, reward)
         await asyncio.to_thread(self.store.flush, 30.0)  # its calls are on disk before it shows as finished
+        if self.scorer is not None:  # and its final reward is in
+            await asyncio.to_thread(self._score, rollout_id, status)
         done = await asyncio.to_thread(self.store.finish_rollout, rollout_id, status=status, error=error)
         self._open.pop(rollout_id, None)
         return done
 
 
-def reward_from(rollout_id: str, body: dict[str, Any]) -> Reward:
+    def _score(self, rollout_id: str, status: str) -> None:
+        assert self.scorer is not None
+        try:
+            self.scorer.score_rollout(self.store, rollout_id, status=status)
+        except Exception:  # noqa: BLE001 - the finish goes on: the rollout ends without a final reward
+            log.exception("rollout %s could not be scored under reward configuration %s", rollout_id,
+                          self.scorer.hash)
+
+
+def reward_from(rollout_id: str, body: dict[str, Any], *, scorer: Scorer | None = None, late: bool = False) -> Reward:
+    """The reward a request body describes: `value`, optional `name`, `final`, `metadata`,
+    `call_index` (a per-step reward), `agent` (one agent's reward: never the rollout's final
+    reward); with a reward configuration, an input of its components."""
     value = body.get("value", body.get("reward"))
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise HTTPError(400, f"reward value must be a finite number, got {value!r}", code="bad_reward")
     metadata = body.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise HTTPError(400, "metadata must be an object", code="bad_metadata")
-    name = body.get("name")
-    return Reward(rollout_id=rollout_id, value=float(value), name=str(name) if name is not None else None,
-                  final=bool(body.get("final", True)), created_at=time.time(), metadata=metadata)
+    call_index = body.get("call_index")
+    if call_index is not None and (isinstance(call_index, bool) or not isinstance(call_index, int) or call_index < 0):
+        raise HTTPError(400, f"call_index must be a call's index (an integer >= 0), got {call_index!r}",
+                        code="bad_call_index")
+    if call_index is not None and body.get("final"):
+        raise HTTPError(400, "a per-step reward (call_index) cannot be final", code="bad_call_index")
+    agent = body.get("agent")
+    if agent is not None and (not isinstance(agent, str) or not agent.strip() or len(agent) > 128):
+        raise HTTPError(400, f"agent must be an agent's name (a string of 1 to 128 characters), got {agent!r}",
+                        code="bad_agent")
+    name = str(body["name"]) if body.get("name") is not None else None
+    final = call_index is None and bool(body.get("final", True))
+    if scorer is not None and call_index is None and agent is None:
+        name, final = name or AGENT, False
+    if late:
+        metadata = {**metadata, "late": True}
+    return Reward(rollout_id=rollout_id, value=float(value), name=name, final=final, created_at=time.time(),
+                  metadata=metadata, call_index=call_index, agent=agent)

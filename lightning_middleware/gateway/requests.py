@@ -63,7 +63,10 @@ def parse_object(raw: bytes) -> dict[str, Any]:
     return payload
 
 
-PROXY_SUFFIXES = (("/v1/chat/completions", "chat/completions"), ("/v1/completions", "completions"))
+# (path suffix, upstream path). Responses and Anthropic Messages are translated to chat completions
+# (gateway/translation.py) unless the gateway runs with translate=False.
+PROXY_SUFFIXES = (("/v1/chat/completions", "chat/completions"), ("/v1/completions", "completions"),
+                  ("/v1/responses", "responses"), ("/v1/messages", "messages"))
 
 
 def proxy_paths() -> list[str]:

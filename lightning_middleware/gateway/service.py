@@ -15,6 +15,9 @@ HTTP surface (see docs/gateway.md):
 - `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, also under
   a per-rollout base URL `/rollouts/{id}/v1/...`, or with an `x-rollout-id` header.
   Streaming (SSE) is passed through chunk by chunk.
+- `POST /v1/responses`, `POST /v1/messages` (the Responses API, Anthropic Messages): sent
+  upstream as chat completions and answered in the caller's format (`translation`,
+  docs/formats.md), or as they are with `translate=False`.
 - `POST /rollouts` (idempotent on a client-supplied `id`), `GET /rollouts/{id}`,
   `POST /rollouts/{id}/reward`, `POST /rollouts/{id}/finish`, `POST /rollouts/{id}/fail`.
 - `POST /admin/pause`, `POST /admin/resume`, `GET /admin/state` (weight swaps),
@@ -27,7 +30,8 @@ succeeded are answered from the first (a client's retry storm stays one call).
 
 The parts, one module each: `admission` (the pause gate), `upstreams` (replica choice and
 health), `replay` (retries answered from the first call), `registry` (rollouts over HTTP),
-`requests`/`responses` (raw ASGI), `errors`, `auth`, `app` (routes), `cli`. Heavy imports
+`requests`/`responses` (raw ASGI), `translation` (other formats as chat completions), `errors`,
+`auth`, `app` (routes), `cli`. Heavy imports
 (starlette, uvicorn, aiohttp) happen inside functions: registering the CLI stays cheap.
 """
 
@@ -39,21 +43,25 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from lightning_middleware import fastjson
 from lightning_middleware.capture import ROLLOUT_HEADER, scrub_secrets
+from lightning_middleware.formats import FORMATS, Format
 from lightning_middleware.gateway.admission import PAUSE_MODES, PauseGate
 from lightning_middleware.gateway.app import GatewayApp
 from lightning_middleware.gateway.auth import TOKEN_ENV, check_bearer, check_client, checked_token, is_loopback
 from lightning_middleware.gateway.errors import GatewayConfigError, HTTPError, error_reply, upstream_error
-from lightning_middleware.gateway.forwarding import Forwarder
-from lightning_middleware.gateway.registry import RolloutRegistry
+from lightning_middleware.gateway.forwarding import Forwarder, Upstreamed
+from lightning_middleware.gateway.registry import RolloutEntry, RolloutRegistry
 from lightning_middleware.gateway.replay import Cached, Flight, ReplayCache, is_retry
 from lightning_middleware.gateway.requests import Receive, parse_object, receive_body
 from lightning_middleware.gateway.responses import Full, Scope, Send, StreamResponse, bind_socket
+from lightning_middleware.gateway.translation import TranslatedCall, in_format, translate_call
 from lightning_middleware.gateway.upstreams import Upstream, UpstreamPool
+from lightning_middleware.records import new_id
+from lightning_middleware.rewards import RewardConfig, Scorer, load_config
 from lightning_middleware.store import TraceStore, get_store
 
 log = logging.getLogger(__name__)
@@ -90,7 +98,13 @@ class Gateway:
         max_cached_responses: int = 1024,
         record_unattached: bool = True,
         policy_version: int | None = None,
+        translate: bool = True,
+        policies: Mapping[str, str] | None = None,
+        default_policy: str | None = None,
+        rewards: RewardConfig | Scorer | str | None = None,
     ) -> None:
+        """`rewards`: a reward configuration (or its TOML/JSON file) every rollout is scored under
+        as it finishes (docs/rewards.md)."""
         if isinstance(upstreams, str):
             upstreams = [upstreams]
         if not upstreams:
@@ -112,11 +126,16 @@ class Gateway:
         self.connect_timeout_s, self.upstream_timeout_s = connect_timeout_s, upstream_timeout_s
         self.health_interval_s = health_interval_s
         self.record_unattached = record_unattached
+        # /v1/responses and /v1/messages: sent as chat completions (True), or as they are (False,
+        # for replicas that speak those formats; recorded without token IDs).
+        self.translate = translate
         self.gate = PauseGate(mode=pause_mode, wait_s=pause_wait_s, retry_after_s=retry_after_s)
         self.replay = ReplayCache(retry_window_s=retry_window_s, idempotency_ttl_s=idempotency_ttl_s,
                                   max_entries=max_cached_responses,
                                   max_wait_s=upstream_timeout_s + pause_wait_s + 30)
-        self.rollouts = RolloutRegistry(self.store, finish_wait_s=upstream_timeout_s)
+        scorer = rewards if isinstance(rewards, Scorer) or rewards is None else Scorer(
+            rewards if isinstance(rewards, RewardConfig) else load_config(rewards))
+        self.rollouts = RolloutRegistry(self.store, finish_wait_s=upstream_timeout_s, scorer=scorer)
         if policy_version is None:  # continue from the newest checkpoint the trainer recorded
             try:
                 policy_version = self.store.latest_policy_version()
@@ -125,7 +144,8 @@ class Gateway:
         self.policy_version = policy_version
         self.forwarder = Forwarder(self.pool, self.store, upstream_api_key=upstream_api_key, token=token,
                                    connect_timeout_s=connect_timeout_s, upstream_timeout_s=upstream_timeout_s,
-                                   record_unattached=record_unattached)
+                                   record_unattached=record_unattached, policies=dict(policies or {}),
+                                   default_policy=default_policy)
         self.calls = 0
         self._health_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -260,7 +280,7 @@ class Gateway:
     # -- the proxied call -----------------------------------------------------
     async def serve_proxy(self, scope: Scope, receive: Receive, send: Send, path: str,
                           rollout_id: str | None) -> None:
-        """Serve one POST to a proxy route (`path` is "chat/completions" or "completions")."""
+        """Serve one POST to a proxy route (`path`: "chat/completions", "completions", "responses", "messages")."""
         pairs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
         try:
             headers = dict(pairs)
@@ -268,7 +288,14 @@ class Gateway:
             reply = await self.proxy(pairs, headers, receive, path, rollout_id)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
             reply = error_reply(exc, "POST", scope["path"])
+            fmt = FORMATS.get(path)
+            if fmt is not None:  # in the caller's error format
+                reply = in_format(fmt, reply)
         await reply(scope, receive, send)
+
+    def format_of(self, path: str) -> Format | None:
+        """The format a proxy path's requests are translated from, or None (sent as they are)."""
+        return FORMATS.get(path) if self.translate else None
 
     def check_auth(self, authorization: str, client: Sequence[Any] | None = None) -> None:
         """The token, when there is one; without one, the client must be on loopback."""
@@ -290,6 +317,8 @@ class Gateway:
         if scrubbed:
             raw = fastjson.dumps(payload).encode()
         entry = await self.rollouts.entry(rollout_id, for_call=True) if rollout_id else None
+        fmt = self.format_of(path)
+        translated = await translate_call(fmt, payload, self.store) if fmt is not None else None
         stream = bool(payload.get("stream"))
         body_hash = hashlib.sha256(raw).hexdigest()
 
@@ -310,8 +339,8 @@ class Gateway:
             if entry is not None:
                 entry.enter()
             self.calls += 1
-            call = await self.forwarder.forward(pairs, headers, path, raw, payload, rollout_id,
-                                                entry.state if entry is not None else None, version)
+            call = await self._forward(pairs, headers, path, raw, payload, rollout_id, entry, version, translated)
+            call_id = call.pending.call_id if call.pending is not None else new_id()
             status = call.response.status
             if not stream or not 200 <= status < 300 or "text/event-stream" not in call.content_type:
                 try:
@@ -327,11 +356,17 @@ class Gateway:
                     raise HTTPError(502, f"upstream {call.where} answered HTTP {status}: "
                                      f"{body[:500].decode('utf-8', 'replace')}",
                                      type="upstream_error", code="upstream_error")
+                if translated is not None:
+                    body = translated.answer(status, body, call_id)
                 if 200 <= status < 300:
                     ok_result = Cached(status, call.headers, body)
                 return Full(status, call.headers, body)
             # A stream: take its first chunk before committing to 200, so a stalled upstream is a 504.
-            chunks = call.response.content.iter_any()
+            chunks: AsyncIterator[bytes] = call.response.content.iter_any()
+            upstream_chunks: list[bytes] | None = None  # a translated stream's own chunks (what is recorded)
+            if translated is not None:
+                upstream_chunks = []
+                chunks = translated.stream(chunks, upstream_chunks, call_id)
             try:
                 first = await chunks.__anext__()
             except StopAsyncIteration:
@@ -342,7 +377,7 @@ class Gateway:
                 raise upstream_error(exc, call.where) from None
 
             def on_done(complete: bool, sent: list[bytes]) -> None:
-                call.record(sent)  # an incomplete stream is recorded as a partial call
+                call.record(sent if upstream_chunks is None else upstream_chunks)  # incomplete: a partial call
                 if entry is not None:
                     entry.leave()
                 self.gate.release()
@@ -363,6 +398,17 @@ class Gateway:
                 self.gate.release()
                 if flight is not None and key is not None:
                     self.replay.land(key, flight, ok_result)
+
+
+    async def _forward(self, pairs: list[tuple[str, str]], headers: dict[str, str], path: str, raw: bytes,
+                       payload: dict[str, Any], rollout_id: str | None, entry: RolloutEntry | None,
+                       version: int | None, translated: TranslatedCall | None) -> Upstreamed:
+        """Forward the call as it came, or translated to chat completions."""
+        state = entry.state if entry is not None else None
+        if translated is None:
+            return await self.forwarder.forward(pairs, headers, path, raw, payload, rollout_id, state, version)
+        return await self.forwarder.forward(pairs, headers, "chat/completions", translated.body, translated.chat,
+                                            rollout_id, state, version, source=translated.source)
 
 
 def build_app(upstreams: Sequence[str] | str, store: TraceStore | str | None = None, **options: Any) -> GatewayApp:

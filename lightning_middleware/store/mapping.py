@@ -62,6 +62,33 @@ def _json_text(value: Any) -> str | None:
 EXTRA_CHOICES_KEY = "lightning_extra_choices"
 
 
+# The request a translated call's caller sent (`LLMCall.source_format` / `source_request`: a
+# Responses API or Anthropic Messages request, sent to the engine as chat completions) is kept
+# inside the request JSON under this key, for the same reasons as the extra choices: no migration,
+# and the chat request beside it stays what every reader of `request` expects.
+SOURCE_KEY = "lightning_source"
+
+
+def _request_text(call: LLMCall) -> str | None:
+    if call.source_format is None:
+        return _json_text(call.request)
+    source = {"format": call.source_format, "request": call.source_request}
+    return fastjson.dumps({**(call.request or {}), SOURCE_KEY: source})
+
+
+def split_request(stored: Any) -> tuple[dict[str, Any], str | None, dict[str, Any] | None]:
+    """A stored request JSON as (the chat request, the caller's format, the caller's request)."""
+    if not isinstance(stored, dict) or SOURCE_KEY not in stored:
+        return stored or {}, None, None
+    request = {k: v for k, v in stored.items() if k != SOURCE_KEY}
+    source = stored[SOURCE_KEY]
+    if not isinstance(source, dict) or not isinstance(source.get("format"), str):
+        log.warning("a stored request's source is unreadable; reading the call without it")
+        return request, None, None
+    original = source.get("request")
+    return request, source["format"], original if isinstance(original, dict) else None
+
+
 def _response_text(call: LLMCall) -> str | None:
     if not call.extra_choices:
         return _json_text(call.response)
@@ -103,7 +130,7 @@ def call_tuple(call: LLMCall) -> tuple[Any, ...]:
         "endpoint": call.endpoint,
         "model": call.model,
         "agent_name": call.agent_name,
-        "request": _json_text(call.request),
+        "request": _request_text(call),
         "response": _response_text(call),
         "prompt_token_ids": pack_ints(call.prompt_token_ids) if call.prompt_token_ids else None,
         "completion_token_ids": pack_ints(call.completion_token_ids) if call.completion_token_ids else None,
@@ -125,6 +152,7 @@ def call_tuple(call: LLMCall) -> tuple[Any, ...]:
 def call_record(row: sa.Row) -> LLMCall:
     m = row._mapping
     response, extras = split_response(m["response"])
+    request, source_format, source_request = split_request(m["request"])
     return LLMCall(
         id=m["id"],
         rollout_id=m["rollout_id"],
@@ -133,7 +161,7 @@ def call_record(row: sa.Row) -> LLMCall:
         endpoint=m["endpoint"],
         model=m["model"],
         agent_name=m["agent_name"],
-        request=m["request"] or {},
+        request=request,
         response=response,
         prompt_token_ids=unpack_ints(m["prompt_token_ids"]),
         completion_token_ids=unpack_ints(m["completion_token_ids"]),
@@ -149,6 +177,8 @@ def call_record(row: sa.Row) -> LLMCall:
         policy_version=m["policy_version"],
         request_hash=m["request_hash"],
         extra_choices=extras,
+        source_format=source_format,
+        source_request=source_request,
     )
 
 
@@ -186,7 +216,8 @@ def reward_row(reward: Reward) -> dict[str, Any]:
     return {
         "rollout_id": reward.rollout_id, "value": float(reward.value), "name": reward.name,
         "final": bool(reward.final), "created_at": reward.created_at or time.time(),
-        "metadata": reward.metadata or None,
+        "metadata": reward.metadata or None, "call_index": reward.call_index, "config_hash": reward.config_hash,
+        "agent": reward.agent,
     }
 
 
@@ -195,4 +226,5 @@ def reward_record(row: sa.Row) -> Reward:
     return Reward(
         id=m["id"], rollout_id=m["rollout_id"], value=m["value"], name=m["name"],
         final=bool(m["final"]), created_at=m["created_at"], metadata=m["metadata"] or {},
+        call_index=m["call_index"], config_hash=m["config_hash"], agent=m["agent"],
     )

@@ -65,6 +65,12 @@ class StoreQueries:
             groups.setdefault(r.task_id, []).append(r)
         return groups
 
+    def get_call(self, call_id: str) -> LLMCall | None:
+        """One recorded call by its id (e.g. the call behind a translated `resp_<id>` answer)."""
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(S.llm_calls).where(S.llm_calls.c.id == call_id)).first()
+        return None if row is None else M.call_record(row)
+
     def calls(self, rollout_id: str | None, *, training_only: bool = False) -> list[LLMCall]:
         """The LLM calls of one rollout in call order (attempts in order). None: unattached calls."""
         return self.calls_for([rollout_id], training_only=training_only).get(rollout_id, [])

@@ -6,13 +6,24 @@ their columns; those of the other choices of a request with n > 1 packed the sam
 response JSON (`mapping.EXTRA_CHOICES_KEY`), so that needed no new column or schema version.
 `llm_calls.rollout_id` has no foreign key on purpose: calls can arrive before the
 rollout row (another process, the `x-rollout-id` header) or belong to no rollout.
+
+Versions: `SCHEMA_VERSION` is written to `schema_info` when a store is created. A later version
+adds tables (`create_all` gives an existing store the missing ones) or nullable columns, listed in
+`ADDED_COLUMNS` by the version that added them; `migrate.upgrade` adds those to an older store
+when it is opened, and raises the stored version. No change rewrites or drops existing rows.
 """
 
 from __future__ import annotations
 
 import sqlalchemy as sa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+# (table, column) added by each version after 1; the columns are nullable, so adding one to a
+# full table rewrites no row and older readers' queries (which name their columns) still work.
+ADDED_COLUMNS: dict[int, tuple[tuple[str, str], ...]] = {
+    2: (("rewards", "call_index"), ("rewards", "config_hash"), ("rewards", "agent")),
+}
 
 metadata = sa.MetaData()
 
@@ -73,6 +84,13 @@ rewards = sa.Table(
     sa.Column("final", sa.Boolean, nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("metadata", sa.JSON, nullable=True),
+    # Version 2: the call (turn) a per-step reward belongs to (NULL: the whole rollout), and the
+    # hash of the reward configuration a component or combined final reward was computed under
+    # (NULL: reported as it is, by the agent or a person); the agent of a multi-agent rollout a
+    # per-agent reward is for (NULL: the rollout as a whole).
+    sa.Column("call_index", sa.Integer, nullable=True),
+    sa.Column("config_hash", sa.String(64), nullable=True),
+    sa.Column("agent", sa.String(128), nullable=True),
 )
 
 policy_versions = sa.Table(

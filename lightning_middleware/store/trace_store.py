@@ -3,7 +3,8 @@
 One class over SQLAlchemy Core, for SQLite (default, a file in WAL mode) and
 PostgreSQL (`postgresql+psycopg://...`). Writes from agents go through a
 `BatchWriter` (see writer.py); the trainer, the gateway and notebooks use the
-direct methods, each its own short transaction. Reads live in queries.py.
+direct methods, each its own short transaction. Reads live in queries.py; reward writes beyond
+the writer's in reward_ops.py (with the rule for when a final reward moves `final_reward`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from lightning_middleware.store.connect import (
     normalise_url,
     sqlite_file,
 )
+from lightning_middleware.store.migrate import stored_version, upgrade
 from lightning_middleware.store.queries import StoreQueries
+from lightning_middleware.store.reward_ops import RewardOps, set_final_reward
 from lightning_middleware.store.training import TrainerOps
 from lightning_middleware.store.writer import BatchWriter, Op, WriterStats
 
@@ -43,7 +46,7 @@ class CallSource(Protocol):
     def build(self) -> LLMCall: ...
 
 
-class TraceStore(StoreQueries, TrainerOps):
+class TraceStore(StoreQueries, RewardOps, TrainerOps):
     """A trace store at `url` (default: env LIGHTNING_STORE_URL or ./lightning_traces.db).
 
     Raises StoreError at construction if the database can't be opened, so a bad
@@ -66,6 +69,8 @@ class TraceStore(StoreQueries, TrainerOps):
             elif not sa.inspect(self.engine).has_table(S.rollouts.name):
                 self.engine.dispose()
                 raise StoreError(f"{self.safe_url} has no trace tables (not a lightning-middleware store?)")
+            else:  # a reader of an older store: add the columns its queries name (never a table)
+                self._check_version()
         except StoreError:
             raise
         except ModuleNotFoundError as exc:
@@ -95,17 +100,25 @@ class TraceStore(StoreQueries, TrainerOps):
     def _create_schema(self) -> None:
         S.metadata.create_all(self.engine)
         with self.engine.begin() as conn:
-            found = conn.execute(sa.select(S.schema_info.c.value).where(S.schema_info.c.key == "version")).scalar()
-            if found is None:
+            if stored_version(conn) is None:
                 try:
                     conn.execute(sa.insert(S.schema_info).values(key="version", value=str(S.SCHEMA_VERSION)))
                 except sa_exc.IntegrityError:  # another process created it first
                     pass
-            elif int(found) > S.SCHEMA_VERSION:
-                raise StoreError(
-                    f"{self.safe_url} has schema version {found}, newer than this lightning-middleware "
-                    f"({S.SCHEMA_VERSION}); upgrade the package"
-                )
+        self._check_version()
+
+    def _check_version(self) -> None:
+        """Refuse a store newer than this package; bring an older one up to this version."""
+        with self.engine.connect() as conn:
+            found = stored_version(conn)
+        if found is None:  # a reader racing the store's creation: the creator records the version
+            return
+        if found > S.SCHEMA_VERSION:
+            raise StoreError(
+                f"{self.safe_url} has schema version {found}, newer than this lightning-middleware "
+                f"({S.SCHEMA_VERSION}); upgrade the package"
+            )
+        upgrade(self.engine, found)
 
     # -- background writes (agents) -----------------------------------------
     @property
@@ -158,7 +171,7 @@ class TraceStore(StoreQueries, TrainerOps):
         after the insert it refers to.
         """
         rollout_rows, calls, reward_rows = [], [], []
-        updates: list[tuple[str, dict[str, Any]]] = []
+        updates: list[tuple[str, dict[str, Any]]] = []  # {"final_reward": x}: under reward_ops' rule
         for kind, item in ops:
             if kind == "call":  # a record, or a captured call still to be parsed (capture._DeferredCall)
                 calls.append(item if isinstance(item, LLMCall) else item.build())
@@ -166,7 +179,7 @@ class TraceStore(StoreQueries, TrainerOps):
                 rollout_rows.append(M.rollout_row(item))
             elif kind == "reward":
                 reward_rows.append(M.reward_row(item))
-                if item.final:
+                if item.sets_final_reward:
                     updates.append((item.rollout_id, {"final_reward": float(item.value)}))
             elif kind == "rollout_end":
                 updates.append((item["id"], {k: v for k, v in item.items() if k != "id"}))
@@ -180,7 +193,10 @@ class TraceStore(StoreQueries, TrainerOps):
             if reward_rows:
                 conn.execute(sa.insert(S.rewards), reward_rows)
             for rid, values in updates:
-                conn.execute(sa.update(S.rollouts).where(S.rollouts.c.id == rid).values(**values))
+                if "final_reward" in values:
+                    set_final_reward(conn, rid, values["final_reward"])
+                else:
+                    conn.execute(sa.update(S.rollouts).where(S.rollouts.c.id == rid).values(**values))
 
     def _insert_calls(self, conn: sa.Connection, calls: Sequence[LLMCall]) -> None:
         """The hot path of ingestion: driver-level bulk insert (COPY on PostgreSQL).
@@ -218,9 +234,6 @@ class TraceStore(StoreQueries, TrainerOps):
 
     def record_call(self, call: LLMCall) -> None:
         self._apply_ops([("call", call)])
-
-    def add_reward(self, reward: Reward) -> None:
-        self._apply_ops([("reward", reward)])
 
     def finish_rollout(self, rollout_id: str, *, status: str = RolloutStatus.SUCCEEDED.value,
                        error: str | None = None, ended_at: float | None = None) -> Rollout:

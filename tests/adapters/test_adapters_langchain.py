@@ -178,3 +178,35 @@ def test_wrap_accepts_bindings_and_rejects_other_runnables(llm_server: LLMTestSe
     assert len(store.calls(r.id)) == 1
     with pytest.raises(TypeError, match="does not know how to record"):
         wrap(RunnableLambda(lambda x: x))
+
+
+async def test_langgraph_nodes_are_agents_and_route_to_their_policies(llm_server: LLMTestServer,
+                                                                      store: TraceStore) -> None:
+    """A graph's nodes name its calls (no name given in the code); with `policies=` each node's
+    calls go to its policy's served model name whatever model the code wrote."""
+    from typing import TypedDict
+
+    from langgraph.graph import END, START, StateGraph
+
+    model = wrap(ChatOpenAI(model="m", base_url=llm_server.base_url, api_key="sk-test", timeout=60 + next(_n) / 1000),
+                 store=store, policies={"coder": "coder-lora"}, default_policy="base")
+
+    class State(TypedDict):
+        text: str
+
+    async def coder(state: State) -> State:
+        return {"text": (await model.ainvoke(state["text"])).content}
+
+    async def reviewer(state: State) -> State:
+        return {"text": (await model.ainvoke(f"review: {state['text']}")).content}
+
+    graph = StateGraph(State)
+    graph.add_node("coder", coder)
+    graph.add_node("reviewer", reviewer)
+    graph.add_edge(START, "coder")
+    graph.add_edge("coder", "reviewer")
+    graph.add_edge("reviewer", END)
+    async with rollout("lg-team", store=store) as r:
+        await graph.compile().ainvoke({"text": "write"})
+    calls = store.calls(r.id)
+    assert [(c.agent_name, c.model) for c in calls] == [("coder", "coder-lora"), ("reviewer", "base")]

@@ -107,12 +107,14 @@ async def test_default_client_and_wrap_of_agent(llm_server: LLMTestServer, store
     assert wrap(other, store=store) is other
 
 
-async def test_responses_api_is_recorded_with_a_warning(llm_server: LLMTestServer, store: TraceStore, caplog) -> None:
+async def test_responses_api_untranslated_is_recorded_with_a_warning(llm_server: LLMTestServer, store: TraceStore,
+                                                                     caplog) -> None:
+    """translate=False (a server that speaks the Responses API itself): recorded, not trainable."""
     from lightning_middleware.capture.calls import reset_warnings
 
     reset_warnings()
     client = openai.AsyncOpenAI(base_url=llm_server.base_url, api_key="sk-test")
-    model = wrap(OpenAIResponsesModel(model="m", openai_client=client), store=store)
+    model = wrap(OpenAIResponsesModel(model="m", openai_client=client), store=store, translate=False)
     agent = Agent(name="resp", model=model)
     with caplog.at_level(logging.WARNING):
         async with rollout("ag-sdk-responses", store=store) as r:
@@ -120,4 +122,45 @@ async def test_responses_api_is_recorded_with_a_warning(llm_server: LLMTestServe
     [call] = store.calls(r.id)
     assert call.endpoint == "responses" and not call.is_training and call.status_code == 200
     assert call.agent_name == "resp"
-    assert any("chat.completions for training" in m for m in caplog.messages)
+    assert any("carry no token IDs" in m for m in caplog.messages)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+async def test_default_model_settings_responses_train_with_merged_turns(llm_server: LLMTestServer, store: TraceStore,
+                                                                      streamed: bool) -> None:
+    """The SDK as it comes: its default model over the Responses API (no model object, no
+    set_default_openai_api). wrap() translates each turn to chat completions, so every turn is a
+    training call and the turns merge into one row."""
+    from agents import set_default_openai_client
+    from agents.models import _openai_shared
+
+    from lightning_middleware.rows import build_rows_for_rollouts
+
+    saved = (_openai_shared.get_default_openai_client(), _openai_shared.get_use_responses_by_default())
+    async with wrap(openai.AsyncOpenAI(base_url=llm_server.base_url, api_key="sk-test"), store=store) as client:
+        set_default_openai_client(client, use_for_tracing=False)
+        _openai_shared.set_use_responses_by_default(True)  # the SDK's default (other tests change it)
+        try:
+            agent = Agent(name="solver", instructions="be brief", tools=[calc])
+            async with rollout("ag-sdk-responses-default", store=store) as r:
+                if streamed:
+                    result = Runner.run_streamed(agent, "what is 2+2?")
+                    kinds = {e.type async for e in result.stream_events()}
+                    assert "raw_response_event" in kinds
+                else:
+                    result = await Runner.run(agent, "what is 2+2?")
+        finally:
+            _openai_shared.set_default_openai_client(saved[0])
+            _openai_shared.set_use_responses_by_default(saved[1])
+    assert result.final_output == "echo: 4"
+    first, second = calls = store.calls(r.id)
+    assert all(c.endpoint == "chat.completions" and c.source_format == "responses" and c.is_training for c in calls)
+    assert all(c.agent_name == "solver" and c.stream == streamed for c in calls)
+    assert first.finish_reason == "tool_calls" and second.completion_token_ids == tuple(tokenize("echo: 4"))
+    assert [i.get("type", "message") for i in second.source_request["input"]] == [
+        "message", "function_call", "function_call_output"]
+    rollout_record = store.get_rollout(r.id)
+    assert rollout_record is not None
+    rows, stats = build_rows_for_rollouts([(rollout_record, calls)])
+    assert len(rows) == 1 and stats.prefix_breaks == 0 and stats.merges == 1
+    assert sum(rows[0].loss_mask) == len(first.completion_token_ids) + len(second.completion_token_ids)

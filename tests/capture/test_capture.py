@@ -153,11 +153,12 @@ def test_legacy_completions(store: TraceStore) -> None:
     assert call.logprobs is not None and len(call.logprobs) == len(call.completion_token_ids)
 
 
-def test_responses_api_recorded_without_token_ids(store: TraceStore, caplog) -> None:
+def test_responses_api_untranslated_is_recorded_without_token_ids(store: TraceStore, caplog) -> None:
+    """translate=False: for a server that speaks the Responses API itself (tests/formats: translated)."""
     from lightning_middleware.capture.calls import reset_warnings
 
     reset_warnings()
-    client = _client(store)
+    client = wrap(_client(store), translate=False)
     with caplog.at_level(logging.WARNING), rollout("resp", store=store) as r:
         out = client.responses.create(model="m", input="hi there")
     assert out.output_text.startswith("echo")

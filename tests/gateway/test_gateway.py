@@ -269,7 +269,11 @@ def test_clear_json_errors(gw_lite: Gateway) -> None:
     assert httpx.post(base + f"/rollouts/{rid}/fail", json={"error": "tool crashed"}).status_code == 200  # retried
     err(_finish(gw_lite, rid), 409, "rollout_finished")
     err(httpx.post(base + f"/rollouts/{rid}/v1/chat/completions", json=chat), 409, "rollout_finished")
-    err(httpx.post(base + f"/rollouts/{rid}/reward", json={"value": 1}), 409, "rollout_finished")
+    err(httpx.post(base + f"/rollouts/{rid}/reward", json={"value": 1, "call_index": -1}), 400, "bad_call_index")
+    err(httpx.post(base + f"/rollouts/{rid}/reward", json={"value": 1, "call_index": 0, "final": True}), 400,
+        "bad_call_index")
+    late = httpx.post(base + f"/rollouts/{rid}/reward", json={"value": 1})  # kept after the finish (docs/rewards.md)
+    assert late.status_code == 200 and late.json()["late"] is True and late.json()["applied"] is True
     err(httpx.get(base + "/nowhere"), 404, "not_found")
     err(httpx.get(base + "/v1/chat/completions"), 405, "method_not_allowed")
 

@@ -28,19 +28,27 @@ from lightning_middleware.testing.secret_scan import scan_tree
 
 TOKEN = "gw-Sec-7f3a9c21"
 AUTH = [(b"authorization", f"Bearer {TOKEN}".encode())]
-PUBLIC = {("GET", "/health"), ("HEAD", "/health")}
+# The labelling page holds no data (its API, under /review/api, takes the token like the rest).
+PUBLIC = {("GET", "/health"), ("HEAD", "/health"), ("GET", "/review"), ("HEAD", "/review")}
 # Must be among the walked routes: the walk cannot silently miss what the issue names.
 WRITES = {("POST", "/rollouts"), ("POST", "/rollouts/{rid}/reward"), ("POST", "/rollouts/{rid}/finish"),
           ("POST", "/rollouts/{rid}/fail"), ("POST", "/admin/pause"), ("POST", "/admin/resume"),
-          ("GET", "/admin/state"), ("POST", "/v1/chat/completions"), ("POST", "/rollouts/{rid}/v1/completions")}
+          ("GET", "/admin/state"), ("POST", "/v1/chat/completions"), ("POST", "/rollouts/{rid}/v1/completions"),
+          ("POST", "/v1/responses"), ("POST", "/rollouts/{rid}/v1/messages")}
 LOOPBACK, OFF_LOOPBACK = ("127.0.0.1", 50000), ("203.0.113.7", 40000)  # the latter: TEST-NET-3, another machine
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "what is 2+2?"}], "max_tokens": 8}
 COMPLETION = {"model": "m", "prompt": "hello", "max_tokens": 8}
+RESPONSES = {"model": "m", "input": "what is 2+2?", "max_output_tokens": 8}  # translated to chat completions
+MESSAGES = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "what is 2+2?"}]}
 BODIES = {  # a body each route answers 2xx to (others get {})
     "/v1/chat/completions": CHAT, "/rollouts/{rid}/v1/chat/completions": CHAT,
     "/v1/completions": COMPLETION, "/rollouts/{rid}/v1/completions": COMPLETION,
+    "/v1/responses": RESPONSES, "/rollouts/{rid}/v1/responses": RESPONSES,
+    "/v1/messages": MESSAGES, "/rollouts/{rid}/v1/messages": MESSAGES,
     "/rollouts": {"task_id": "t"}, "/rollouts/{rid}/reward": {"value": 1.0},
     "/admin/pause": {"wait": True, "timeout": 5}, "/admin/resume": {"policy_version": 3},
+    "/review/api/rollouts/{rid}/score": {"score": 0.5}, "/review/api/compare": {"a": "{rid}", "b": "{other}",
+                                                                               "winner": "tie"},
 }
 WRONG_AUTH: dict[str, list[tuple[bytes, bytes]]] = {
     "none": [],
@@ -86,8 +94,10 @@ async def serving(gw: Gateway, client: tuple[str, int] = LOOPBACK) -> AsyncItera
 
 
 async def send(c: httpx.AsyncClient, method: str, template: str, rid: str,
-               headers: list[tuple[bytes, bytes]], body: dict | None = None) -> httpx.Response:
+               headers: list[tuple[bytes, bytes]], body: dict | None = None, other: str = "r0") -> httpx.Response:
     path = template.replace("{rid}", rid)
+    names = {"{rid}": rid, "{other}": other}  # a body naming rollouts (the review page's compare)
+    body = {k: names.get(v, v) if isinstance(v, str) else v for k, v in (body or {}).items()}
     return await c.request(method, path, headers=headers, json=body if method == "POST" else None)
 
 
@@ -99,8 +109,9 @@ async def new_rollout(c: httpx.AsyncClient, headers: list[tuple[bytes, bytes]] =
 
 async def assert_every_route_served(gw: Gateway, c: httpx.AsyncClient, headers: list[tuple[bytes, bytes]]) -> None:
     """Each route, on a fresh rollout where it takes one, answers 2xx to `headers`."""
+    other = await new_rollout(c, headers)
     for method, template in served_routes(gw.app):
-        r = await send(c, method, template, await new_rollout(c, headers), headers, BODIES.get(template, {}))
+        r = await send(c, method, template, await new_rollout(c, headers), headers, BODIES.get(template, {}), other)
         assert 200 <= r.status_code < 300, (method, template, r.status_code, r.text)
         if gw.gate.paused:  # /admin/pause leaves it paused; the next route needs it serving
             await gw.aresume()

@@ -4,6 +4,7 @@ adapter equal the engine's (its own server: LoRA is a start-up flag)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,3 +77,41 @@ def test_an_adapter_checkpoint_needs_the_adapters_name(lora_server, tmp_path):
     (tmp_path / "adapter_model.safetensors").write_bytes(b"")
     with pytest.raises(PublishError, match="adapter_name"):
         WeightPublisher(lora_server.url).publish(tmp_path, 3)
+
+
+def test_a_policy_set_publishes_every_adapter_and_a_restart_restores_the_committed_ones(lora_server, tied_checkpoints,
+                                                                                        tmp_path):
+    """Two policies on one server: training the coder changes the coder's answers only; a crash that
+    left a newer, uncommitted coder adapter loaded is undone by the restart's republish."""
+    from trainer_backend.engines.lora import AdapterConfig
+    from trainer_backend.engines.policies import PolicySet
+    from trainer_backend.engines.torch_engine import TorchEngineConfig
+
+    torch.manual_seed(0)
+    policies = PolicySet(tied_checkpoints.base, ["coder", "reviewer"], TorchEngineConfig(
+        lr=5e-2, precision="fp32", grad_clip=None, lora=AdapterConfig(rank=RANK)))
+    publisher = WeightPublisher(lora_server.url)
+    assert publisher.publish(policies.save(tmp_path / "v0"), 0).verified
+    base_tokens, _ = _complete(lora_server, BASE)
+    assert _complete(lora_server, "coder")[0] == _complete(lora_server, "reviewer")[0] == base_tokens
+
+    coder_row = [dataclasses.replace(_row(list(range(300, 308))), policy="coder")]
+    for _ in range(15):
+        policies.step(coder_row)
+    committed = policies.save(tmp_path / "v1")
+    assert publisher.publish(committed, 1).verified
+    coder_tokens, coder_logprobs = _complete(lora_server, "coder")
+    assert coder_tokens != base_tokens and _complete(lora_server, "reviewer")[0] == base_tokens
+    ours = policies.engines["coder"].token_logprobs([_row(coder_tokens)])[0][len(PROMPT):]
+    assert max(abs(a - b) for a, b in zip(ours, coder_logprobs)) < 1e-4
+
+    for _ in range(10):  # a step that saved and began to publish, then the trainer died: coder only
+        policies.step([dataclasses.replace(_row(list(range(400, 408))), policy="coder")])
+    uncommitted = policies.save(tmp_path / "v2")
+    httpx.post(f"{lora_server.url}/v1/load_lora_adapter", timeout=60,
+               json={"lora_name": "coder", "lora_path": str(uncommitted / "coder"), "load_inplace": True}
+               ).raise_for_status()
+    assert _complete(lora_server, "coder")[0] != coder_tokens
+    publisher.publish(committed, 1)  # what the restarted trainer does with its last committed checkpoint
+    assert _complete(lora_server, "coder")[0] == coder_tokens
+    assert _complete(lora_server, "reviewer")[0] == base_tokens

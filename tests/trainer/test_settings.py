@@ -125,3 +125,20 @@ def test_lora_from_the_flags() -> None:
     assert settings_from(_parse()).engine_config().lora is None  # rank 0: every weight trains
     with pytest.raises(SettingsError, match="lora.rank"):
         settings_from(_parse("--lora-rank", "8", "--engine", "verl"))
+
+
+def test_the_rewards_section_round_trips_and_reaches_the_daemon(tmp_path: Path) -> None:
+    path = tmp_path / "trainer.toml"
+    path.write_text('[rewards]\nversion = "abc123"\nwait_for = { human = 600, reward_model = 30.5 }\n'
+                    'on_deadline = "skip"\n')
+    s = TrainerSettings.load(path)
+    again = tmp_path / "again.toml"
+    again.write_text(s.to_toml())
+    assert TrainerSettings.load(again) == s
+    policy = s.trainer_config().rewards
+    assert (policy.version, policy.on_deadline) == ("abc123", "skip")
+    assert dict(policy.wait_for) == {"human": 600, "reward_model": 30.5}
+    assert TrainerSettings.load(path, {"rewards.version": "def"}).rewards.version == "def"
+    path.write_text('[rewards]\nwait_for = { human = -1 }\n')
+    with pytest.raises(SettingsError, match="deadlines must be seconds >= 0"):
+        TrainerSettings.load(path)

@@ -71,6 +71,11 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
                                       "--max-lora-rank"),
     "--lora-alpha": ("lora.alpha", int, "LoRA alpha (the update is scaled by alpha / rank)"),
     "--lora-name": ("lora.name", str, "the adapter's served model name, what the agents call (default policy)"),
+    "--policies": ("lora.policies", lambda text: tuple(n for n in text.split(",") if n),
+                   "separate LoRA policies, comma-separated served names (e.g. coder,reviewer)"),
+    "--default-policy": ("lora.default_policy", str, "the policy that trains calls of any other model"),
+    "--reward-version": ("rewards.version", str, "train on the final reward of this reward configuration's hash "
+                                                 "(lightning-mw rewards check/rescore print it)"),
     "--precision": ("engine.precision", str, "auto (bf16 where native and faster, else fp32) | fp32 | bf16 | "
                                              "bf16-autocast"),
     "--micro-batch-tokens": ("engine.micro_batch_tokens", int, "padded tokens per micro-batch"),
@@ -125,7 +130,8 @@ def run_trainer(args: argparse.Namespace) -> int:
     publisher = None
     if r.serve:
         publisher = WeightPublisher(r.serve, gateway_url=r.gateway, gateway_token=r.gateway_token,
-                                    adapter_name=settings.lora.name if settings.lora.rank else None)
+                                    adapter_name=settings.lora.name if settings.lora.rank and not settings.lora.policies
+                                    else None)
         if version > 0:  # the server may hold weights of a step that never committed
             publisher.publish(start_dir, version)
         elif settings.lora.rank:  # a new adapter (the base exactly): served before any agent asks for it
@@ -170,6 +176,11 @@ def make_engine(settings: TrainerSettings, start_dir: Path, version: int) -> Eng
                                 loss=settings.loss_config())
         return VerlEngine(start_dir, vcfg, policy_version=version,
                           work_dir=Path(settings.run.checkpoints) / "_verl")
+    if settings.lora.policies:
+        from trainer_backend.engines.policies import PolicySet
+
+        return PolicySet(start_dir, settings.lora.policies, settings.engine_config(),
+                         default=settings.lora.default_policy, policy_version=version)
     from trainer_backend.engines.torch_engine import TorchEngine
 
     return TorchEngine(start_dir, settings.engine_config(), policy_version=version)

@@ -120,6 +120,10 @@ class LoraSettings(_Section):
     alpha: int = Field(16, ge=1)
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     name: str = "policy"  # the adapter's served model name: what the agents call (serve with --max-lora-rank)
+    # Separate policies per agent: one adapter per name (its served model name), all on one base;
+    # each trains on the rows of calls served under its name (wrap(policies=...), gateway --policy).
+    policies: tuple[str, ...] = ()
+    default_policy: str | None = None  # trains rows of every other model (None: they are left out)
 
 
 class EngineSettings(_Section):
@@ -152,6 +156,21 @@ class MonitorSettings(_Section):
     grad_spike: float = Field(10.0, gt=1)
 
 
+class RewardSettings(_Section):
+    # a reward configuration's hash: train on the final reward stored under it (a rescore's version)
+    version: str | None = None
+    wait_for: dict[str, float] = Field(default_factory=dict)  # component -> seconds after the rollout ended
+    on_deadline: Literal["train_without", "skip"] = "train_without"
+
+    @field_validator("wait_for")
+    @classmethod
+    def _deadlines(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: s for k, s in v.items() if s < 0}
+        if bad:
+            raise ValueError(f"deadlines must be seconds >= 0, got {bad}")
+        return v
+
+
 class TrainerSettings(_Section):
     run: RunSettings = RunSettings()
     group: GroupSettings = GroupSettings()
@@ -164,6 +183,7 @@ class TrainerSettings(_Section):
     engine: EngineSettings = EngineSettings()
     eval: EvalSettings = EvalSettings()
     monitor: MonitorSettings = MonitorSettings()
+    rewards: RewardSettings = RewardSettings()
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerSettings:
@@ -174,6 +194,10 @@ class TrainerSettings(_Section):
         if self.run.engine == "verl" and (self.algorithm.name in ("ppo", "dpo") or self.loss.kl_in == "reward"):
             raise ValueError(f"the verl engine runs the policy-gradient algorithms with the KL in the loss; "
                              f"algorithm {self.algorithm.name!r} / loss.kl_in {self.loss.kl_in!r} need engine 'torch'")
+        if self.lora.policies and not self.lora.rank:
+            raise ValueError("lora.policies: separate policies are LoRA adapters; set lora.rank")
+        if self.lora.default_policy and self.lora.default_policy not in self.lora.policies:
+            raise ValueError(f"lora.default_policy {self.lora.default_policy!r} is not one of lora.policies")
         if self.run.engine == "verl" and self.lora.rank:
             raise ValueError("lora.rank: LoRA runs on the torch engine (the verl engine trains every weight)")
         if self.optim.lr_schedule != "constant" and self.optim.total_steps is None and self.run.max_steps is None:
@@ -215,7 +239,7 @@ class TrainerSettings(_Section):
             for key, value in values.items():
                 if value is None and fields[key].default is None:
                     continue
-                lines.append(f"{key} = {json.dumps(0 if value is None else value)}")
+                lines.append(f"{key} = {_toml_value(0 if value is None else value)}")
             lines.append("")
         return "\n".join(lines)
 
@@ -256,6 +280,7 @@ class TrainerSettings(_Section):
 
     def trainer_config(self) -> Any:
         from trainer_backend.daemon.monitoring import HealthConfig
+        from trainer_backend.daemon.reward_gate import RewardPolicy
         from trainer_backend.daemon.trainer_daemon import GroupPolicy, TrainerConfig
         from trainer_backend.daemon.validation import EvalPolicy
 
@@ -273,7 +298,15 @@ class TrainerSettings(_Section):
                               group_timeout_s=g.timeout_s, skip_uniform=not trains_uniform_groups(a.name)),
             health=HealthConfig(enabled=m.health_checks, entropy_floor=m.entropy_floor, kl_limit=m.kl_limit,
                                 grad_spike=m.grad_spike),
-            eval=policy)
+            eval=policy, rewards=RewardPolicy(version=self.rewards.version, wait_for=dict(self.rewards.wait_for),
+                                              on_deadline=self.rewards.on_deadline))
+
+
+def _toml_value(value: Any) -> str:
+    """A scalar as JSON (the same text in TOML); a table inline, `{ "key" = value }`."""
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items()) + " }"
+    return json.dumps(value)
 
 
 def _describe(exc: ValidationError, path: str | Path | None) -> str:

@@ -42,12 +42,13 @@ from typing import Any
 
 from lightning_middleware import PolicyVersion, Rollout, TraceStore, TrainStep
 from lightning_middleware.records import Event
-from lightning_middleware.rows import RowStats, build_rows_for_rollouts, with_advantages
+from lightning_middleware.rows import RowStats, build_rows_for_rollouts
 from lightning_middleware.store import LeaseLost, StoreError, get_store
-from trainer_backend.algorithms import registry
+from trainer_backend.algorithms import labelling, registry
 from trainer_backend.daemon.monitoring import HealthChecks, HealthConfig
+from trainer_backend.daemon.reward_gate import RewardGate, RewardPolicy
 from trainer_backend.daemon.validation import EvalPolicy, PeriodicEvaluation, protected_checkpoints
-from trainer_backend.engines.base import Engine, Publisher
+from trainer_backend.engines.base import Engine, Publisher, RoutesRows
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class TrainerConfig:
     group: GroupPolicy = field(default_factory=GroupPolicy)
     health: HealthConfig = field(default_factory=HealthConfig)
     eval: EvalPolicy | None = None  # held-out evaluation every N steps, best checkpoint, early stopping
+    rewards: RewardPolicy = field(default_factory=RewardPolicy)  # reward version, late components (reward_gate)
 
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
@@ -118,6 +120,7 @@ class TrainerDaemon:
         self._stop = threading.Event()
         self._closed = threading.Event()
         self.health = HealthChecks(config.health)
+        self.rewards = RewardGate(self.store, config.rewards)
         self.evaluation = (PeriodicEvaluation(config.eval, self.store, config.checkpoint_dir)
                            if config.eval is not None else None)
         # One live run per trainer id (refused otherwise): a second daemon of the same id would
@@ -210,9 +213,13 @@ class TrainerDaemon:
         """Claim the next batch, or None if not enough usable groups are ready yet."""
         g = self.config.group
         trainable: list[tuple[list[Rollout], list[Rollout]]] = []  # (group members, usable members)
-        for members in self._ready_groups():
+        for ready in self._ready_groups():
+            reviewed = self.rewards.review(ready)
+            if reviewed is None:  # a configured component is still to come: the group waits
+                continue
+            members = reviewed
             usable, reasons = self._filter(members)
-            if g.skip_uniform and len({r.final_reward for r in usable}) == 1:
+            if g.skip_uniform and len(self._reward_profiles(usable)) == 1:
                 reasons["uniform_reward"] += len(usable)
                 usable = []
             if len(usable) < g.min_group_size:
@@ -253,6 +260,15 @@ class TrainerDaemon:
                 ready.append(members[: g.group_size])
         return ready
 
+    def _reward_profiles(self, rollouts: Sequence[Rollout]) -> set[tuple[Any, ...]]:
+        """The distinct rewards of a group: a group with one carries no signal. With separate
+        policies per agent, each rollout's per-agent rewards count too (the team's reward may be
+        equal while the roles' differ)."""
+        if not isinstance(self.engine, RoutesRows):
+            return {(r.final_reward,) for r in rollouts}
+        per_agent = self.store.agent_rewards([r.id for r in rollouts])
+        return {(r.final_reward, *sorted(per_agent.get(r.id, {}).items())) for r in rollouts}
+
     def _take(self, members: Sequence[Rollout]) -> bool:
         """Claim a whole group or nothing (another daemon got part of it)."""
         ids = [r.id for r in members]
@@ -265,6 +281,8 @@ class TrainerDaemon:
     def _skip(self, rollouts: Sequence[Rollout], reasons: Counter[str]) -> None:
         if rollouts:
             self.store.skip_rollouts([r.id for r in rollouts], self.config.trainer_id)
+        for r in rollouts:
+            self.rewards.reasons.pop(r.id, None)
         self._skipped_since_step.update(reasons)
         self.skipped_total.update(reasons)
         if reasons:
@@ -279,7 +297,7 @@ class TrainerDaemon:
             if r.status not in self.config.group.statuses:
                 reasons[f"status_{r.status}"] += 1
             elif r.final_reward is None:
-                reasons["no_reward"] += 1
+                reasons[self.rewards.reasons.get(r.id, "no_reward")] += 1
             elif self._too_stale(r, current):
                 reasons["stale"] += 1
             else:
@@ -304,9 +322,11 @@ class TrainerDaemon:
         algorithm = self.config.algorithm
         if algorithm == "grpo" and not self.config.norm_by_std:
             algorithm = "dr_grpo"
-        rows, row_adv = registry.label_rows(algorithm, rollouts, rows, level=self.config.advantage_level)
-        rows = with_advantages(rows, row_adv, rewards={r.id: float(r.final_reward or 0.0) for r in rollouts})
-        adv = {row.rollout_id: row.advantage for row in rows}  # for the metrics (rollout level: one per rollout)
+        parts = self.engine.route(rows) if isinstance(self.engine, RoutesRows) else None
+        rows = labelling.label(algorithm, rollouts, rows, level=self.config.advantage_level, parts=parts,
+                               agent_rewards=self.store.agent_rewards([r.id for r in rollouts]) if parts else None)
+        # for the metrics: one advantage per rollout and policy (rollout level)
+        adv = {(row.rollout_id, row.policy): row.advantage for row in rows}
         t_build = time.perf_counter() - t0
         if not rows:  # nothing trainable (no token IDs?): no update, no new version; consumed as skipped
             log.warning("a batch of %d rollouts had no trainable rows (calls without token IDs?); skipped",
@@ -376,7 +396,7 @@ class TrainerDaemon:
                 shutil.rmtree(old, ignore_errors=True)
 
     def _metrics(self, rollouts: Sequence[Rollout], rows: Sequence[Any], row_stats: RowStats,
-                 adv: dict[str, float], engine_metrics: dict[str, float], skipped: dict[str, int],
+                 adv: dict[tuple[str, str | None], float], engine_metrics: dict[str, float], skipped: dict[str, int],
                  t_build: float, t_total: float, publish: dict[str, Any]) -> dict[str, Any]:
         rewards = [float(r.final_reward or 0.0) for r in rollouts]
         mean = sum(rewards) / len(rewards)
@@ -404,6 +424,7 @@ class TrainerDaemon:
             "step_time_s": t_total,
             **{f"rows_{k}": v for k, v in row_stats.as_dict().items()},
             **{f"skipped_{k}": v for k, v in skipped.items()},
+            **self.rewards.step_metrics(rollouts),
             **publish,
         }
 

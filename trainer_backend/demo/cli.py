@@ -46,6 +46,10 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--warm-start-precision", choices=("auto", "bf16", "fp32"), default=d.warm_start_precision,
                    help="warm-start SFT precision (auto: bf16 only where the CPU computes it natively and faster)")
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy evaluations")
+    p.add_argument("--task", choices=("guess", "team"), default=d.task,
+                   help="guess: one agent; team: two LangGraph agents (scout, closer), each its own LoRA policy")
+    p.add_argument("--shared-policy", action="store_true",
+                   help="team: one LoRA policy for both agents (the comparison for separate policies)")
     p.set_defaults(func=run_cli)
 
     c = sub.add_parser("demo-compare", help="plot the reward curves of several demo runs in one image")
@@ -56,7 +60,13 @@ def add_cli(sub: Any) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     mode = "sync" if args.sync else "async"
-    cfg = DemoConfig(out_dir=args.out or f"runs/demo-{args.seed}-{mode}", seed=args.seed, minutes=args.minutes,
+    if args.shared_policy and args.task != "team":
+        print("lightning-mw demo: --shared-policy is for --task team", file=sys.stderr)
+        return 2
+    default_out = f"runs/demo-{args.seed}-{mode}" if args.task == "guess" else \
+        f"runs/demo-team-{'shared' if args.shared_policy else 'separate'}-{args.seed}"
+    cfg = DemoConfig(out_dir=args.out or default_out, seed=args.seed, minutes=args.minutes,
+                     task=args.task, shared_policy=args.shared_policy,
                      warm_start_seed=args.warm_start_seed,
                      mode=mode, eval_tasks=args.eval_tasks, groups_per_step=args.groups_per_step,
                      group_size=args.group_size, groups_in_flight=args.groups_in_flight,
@@ -86,7 +96,12 @@ def run_cli(args: argparse.Namespace) -> int:
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background by a shell
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        run_demo(cfg)
+        if cfg.task == "team":
+            from trainer_backend.demo.team import TeamDemoRun
+
+            run_demo(cfg, TeamDemoRun)
+        else:
+            run_demo(cfg)
     except KeyboardInterrupt:
         print("\nstopped (server, trainer and rollouts shut down)", flush=True)
         return 130

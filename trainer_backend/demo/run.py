@@ -47,6 +47,8 @@ from trainer_backend.serving.server import VLLMServer
 
 if TYPE_CHECKING:  # torch is imported when training starts
     from trainer_backend.algorithms.grpo import LossConfig
+    from trainer_backend.engines.policies import PolicySet
+    from trainer_backend.engines.torch_config import TorchEngineConfig
     from trainer_backend.engines.torch_engine import TorchEngine
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class DemoConfig:
     out_dir: str = "runs/demo"
+    task: str = "guess"  # guess | team (demo/team.py: two LangGraph agents, a LoRA policy each)
+    shared_policy: bool = False  # team: one adapter for both roles, for comparison
     seed: int = 0  # RL: train/eval task draws (vLLM sampling itself is not seeded, see make_agent)
     warm_start_seed: int = 0  # the warm start (tokenizer, init, SFT order); shared by RL seeds, cached
     minutes: float = 10.0  # RL wall-clock budget (evaluations and startup not included); a cap with max_steps
@@ -82,12 +86,12 @@ class DemoConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+def run_demo(cfg: DemoConfig, run_class: type[DemoRun] | None = None) -> dict[str, Any]:
     """Warm start, serve, evaluate, train, evaluate again. Returns the results (also written to
-    OUT/results.json, with OUT/reward_curve.png)."""
+    OUT/results.json, with OUT/reward_curve.png). `run_class`: a DemoRun with other steps (the team task)."""
     if cfg.mode not in ("async", "sync"):
         raise ValueError(f"mode must be async or sync, not {cfg.mode!r}")
-    run = DemoRun(cfg)
+    run = (run_class or DemoRun)(cfg)
     try:
         run.warm_start()
         run.serve()
@@ -144,14 +148,21 @@ class DemoRun:
         say("[2/5] starting the vLLM CPU server")
         ensure_vllm_env()
         t0 = time.perf_counter()
-        self.server = VLLMServer(self.model_dir, dtype="float32", served_model_name=SERVED_NAME, max_model_len=1024,
-                                 log_path=self.out / "vllm.log", extra_args=["--max-num-seqs", "256"]).start()
+        self.server = self._server().start()
         self.timings["server_start_s"] = time.perf_counter() - t0
         self.controller = RolloutController(
-            make_agent(self.server.base_url, store), store=store, backend="asyncio",
+            self._agent(self.server.base_url, store), store=store, backend="asyncio",
             concurrency=self.cfg.concurrency, timeout_s=120,
             policy_version=lambda: store.latest_policy_version() or 0,
             policy_version_ttl_s=0.0)  # sync mode must never tag a stale version
+
+    def _server(self) -> VLLMServer:
+        assert self.model_dir is not None
+        return VLLMServer(self.model_dir, dtype="float32", served_model_name=SERVED_NAME, max_model_len=1024,
+                          log_path=self.out / "vllm.log", extra_args=["--max-num-seqs", "256"])
+
+    def _agent(self, base_url: str, store: TraceStore) -> Any:
+        return make_agent(base_url, store)
 
     # -- 3. evaluate -------------------------------------------------------------------
     def evaluate(self, tag: str) -> dict[str, Any]:
@@ -169,27 +180,19 @@ class DemoRun:
     def train(self) -> None:
         import torch
 
-        from trainer_backend.algorithms.grpo import LossConfig
-        from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig
-
         cfg, store, controller = self.cfg, self.store, self.controller
         assert store is not None and controller is not None and self.server is not None and self.model_dir
         # async: one trainer thread, the other core samples; sync: vLLM idles while the trainer
         # runs, so torch's default (all cores). As measured in docs/benchmarks.md.
         torch.set_num_threads(cfg.threads or (1 if cfg.mode == "async" else (os.cpu_count() or 1)))
-        # fp32 on every CPU kind: the recipe was tuned in fp32, and RL's probability ratios
-        # compare against vLLM's fp32 log-probs.
-        engine = TorchEngine(self.model_dir, TorchEngineConfig(
-            lr=lr_at(cfg, 1, 0.0), freeze_embeddings=True, precision="fp32",
-            loss=_loss_of(cfg.algo, LossConfig(clip_low=cfg.clip, clip_high=cfg.clip, dual_clip_c=cfg.dual_clip)),
-            **_extras_of(cfg)))
+        engine = self._engine(self._engine_config())
         daemon = self.daemon = TrainerDaemon(
             store, engine,
             TrainerConfig(checkpoint_dir=str(self.out / "checkpoints"), mode=cfg.mode, max_staleness=cfg.max_staleness,
                           algorithm=cfg.algo,
                           group=GroupPolicy(group_size=cfg.group_size, groups_per_step=cfg.groups_per_step,
                                             group_timeout_s=600, skip_uniform=cfg.algo != "ppo")),
-            WeightPublisher(self.server.url))
+            self._publisher())
         budget = f" or {cfg.max_steps} steps" if cfg.max_steps else ""
         say(f"[4/5] RL for {cfg.minutes:g} min{budget} ({cfg.mode}, {cfg.algo})"
             + f": {cfg.groups_per_step} tasks x {cfg.group_size} samples per step, lr {cfg.lr:g} "
@@ -210,11 +213,34 @@ class DemoRun:
         self.results.update(curve=curve, steps=len(curve), trained_rollouts=int(sum(c["rollouts"] for c in curve)),
                             skipped_total=dict(daemon.skipped_total))
 
+    def _engine_config(self) -> TorchEngineConfig:
+        """fp32 on every CPU kind: the recipe was tuned in fp32, and RL's probability ratios
+        compare against vLLM's fp32 log-probs."""
+        from trainer_backend.algorithms.grpo import LossConfig
+        from trainer_backend.engines.torch_config import TorchEngineConfig
+
+        cfg = self.cfg
+        return TorchEngineConfig(
+            lr=lr_at(cfg, 1, 0.0), freeze_embeddings=True, precision="fp32",
+            loss=_loss_of(cfg.algo, LossConfig(clip_low=cfg.clip, clip_high=cfg.clip, dual_clip_c=cfg.dual_clip)),
+            **_extras_of(cfg))
+
+    def _engine(self, config: TorchEngineConfig) -> TorchEngine | PolicySet:
+        """The training engine: the whole model here (the team task: a set of LoRA policies)."""
+        from trainer_backend.engines.torch_engine import TorchEngine
+
+        assert self.model_dir is not None
+        return TorchEngine(self.model_dir, config)
+
+    def _publisher(self) -> WeightPublisher:
+        assert self.server is not None
+        return WeightPublisher(self.server.url)
+
     # -- 5. report ---------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
         import json
 
-        res, cfg = self.results, self.cfg
+        res = self.results
         self.timings["total_s"] = time.perf_counter() - self.t_all
         res["timings"] = self.timings
         res["load_avg"] = os.getloadavg()
@@ -225,7 +251,7 @@ class DemoRun:
         plot_curve(res, self.out / "reward_curve.png")
         say(f"\nheld-out success, sampled (T=1): {before['sampled']['success']:.1%} -> "
             f"{after['sampled']['success']:.1%} ({100 * gain:+.1f} pp)")
-        if cfg.greedy:
+        if "greedy" in before:
             say(f"held-out success, greedy:        {before['greedy']['success']:.1%} -> "
                 f"{after['greedy']['success']:.1%}")
         say(f"{res['steps']} steps, {res['trained_rollouts']} rollouts trained in {self.timings['rl_s'] / 60:.1f} min; "
@@ -259,7 +285,7 @@ class _TrainingLoop:
     """The RL phase: rollouts and trainer steps, the lr schedule, the curve, the budget."""
 
     def __init__(self, cfg: DemoConfig, controller: RolloutController, daemon: TrainerDaemon,
-                 engine: TorchEngine) -> None:
+                 engine: TorchEngine | PolicySet) -> None:
         self.cfg, self.controller, self.daemon, self.engine = cfg, controller, daemon, engine
         self.stopping = threading.Event()
         self.curve: list[dict[str, Any]] = []
@@ -293,7 +319,9 @@ class _TrainingLoop:
             "lr": lr_used, "clip_frac": m.get("clip_frac"), "step_time_s": m.get("step_time_s"),
             "staleness_max": m.get("staleness_max"), "entropy": m.get("entropy"), "grad_norm": m.get("grad_norm"),
             "ratio_max": m.get("ratio_max"), "clip_frac_lower": m.get("clip_frac_lower"),
-            **{k: v for k, v in m.items() if k.startswith(("skipped_", "rows_"))}})
+            **{k: v for k, v in m.items() if k.startswith(("skipped_", "rows_"))},
+            # separate policies (the team task): each policy's share of the step
+            **{k: v for k, v in m.items() if k.endswith(("/rows", "/loss", "/updates", "/grad_norm"))}})
         if self.bar is not None:
             recent = [c["success"] for c in self.curve[-5:] if c["success"] == c["success"]]
             self.bar.n = min(int(self.curve[-1]["t_s"]), int(cfg.minutes * 60))

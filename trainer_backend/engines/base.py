@@ -24,6 +24,14 @@ class Engine(Protocol):
     def save(self, out_dir: str | Path) -> Path: ...
 
 
+@runtime_checkable
+class RoutesRows(Protocol):
+    """An engine of several policies: which policy trains which rows. The daemon computes
+    advantages per policy (groups of one task and one policy) when its engine has this."""
+
+    def route(self, rows: Sequence[Row]) -> dict[str, list[Row]]: ...
+
+
 class Publisher(Protocol):
     """Puts a saved checkpoint into the serving engine (see trainer_backend.serving.publisher)."""
 

@@ -60,7 +60,10 @@ class TorchEngine:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         policy_version: int = 0,
+        shared: lora.SharedAdapter | None = None,
     ) -> None:
+        """`shared`: train that adapter of a peft model other engines hold too (a `PolicySet`);
+        `model_dir` is then where this adapter's optimizer state may be (its checkpoint folder)."""
         if config.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, not {config.precision!r}")
         if config.lr_schedule not in LR_SCHEDULES:
@@ -73,12 +76,16 @@ class TorchEngine:
         self.device = torch.device(device)
         self.policy_version = policy_version
         self.base_dir = self.source_dir  # the full model a LoRA adapter sits on; the model itself otherwise
-        self.is_lora = config.lora is not None or lora.is_adapter_dir(self.source_dir)
-        if self.is_lora:
+        self.is_lora = shared is not None or config.lora is not None or lora.is_adapter_dir(self.source_dir)
+        self.adapter = shared.name if shared is not None else "default"
+        if shared is not None:
+            model, self.base_dir = shared.model, shared.base_dir
+        elif self.is_lora:
             model, self.base_dir = lora.load(self.source_dir, config.lora or lora.AdapterConfig(), dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(self.source_dir, dtype=dtype)
         self.model: Any = model.to(self.device)
+        self._activate()
         self.model.train()
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -93,7 +100,8 @@ class TorchEngine:
                 config.reference_dir, dtype=dtype)
             ref = copy.deepcopy(self.model) if loaded is None else loaded.to(self.device)
             self.ref_model = ref.eval().requires_grad_(False)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = (lora.adapter_parameters(self.model, self.adapter) if self.is_lora
+                       else [p for p in self.model.parameters() if p.requires_grad])
         # The optimizer's parameters: the model's own, or fp32 masters of the bf16 model's.
         self.master = self.params
         if config.precision == "bf16":
@@ -116,6 +124,11 @@ class TorchEngine:
         self.pad_id = int(pad) if pad is not None else 0
         log.info("TorchEngine: %s, %.2fM trainable params, %s, version %d", self.source_dir,
                  sum(p.numel() for p in self.params) / 1e6, config.precision, policy_version)
+
+    def _activate(self) -> None:
+        """Make this engine's adapter the active (and only trainable) one of a shared model."""
+        if self.is_lora and self.model.active_adapter != self.adapter:
+            self.model.set_adapter(self.adapter)
 
     def _compile_layers(self) -> None:
         """Compile the repeated decoder layers (one graph serves them all), not the whole model:
@@ -230,6 +243,7 @@ class TorchEngine:
             raise ValueError("step() needs at least one row")
         if self.config.old_logprobs not in ("behaviour", "recompute"):
             raise ValueError(f"old_logprobs must be 'behaviour' or 'recompute', not {self.config.old_logprobs!r}")
+        self._activate()
         if self.config.dpo is not None:
             return self._dpo_step(rows)
         t0 = time.perf_counter()
@@ -366,6 +380,7 @@ class TorchEngine:
     def token_logprobs(self, rows: Sequence[Row]) -> list[tuple[float, ...]]:
         """The current policy's log-prob of every token of each row as the trainer computes it
         (at the row's sampling parameters); 0.0 at positions that are not response tokens."""
+        self._activate()
         weights = loss_weights([torch.tensor(r.loss_mask) for r in rows], [r.rollout_id for r in rows], "token-mean")
         out: list[tuple[float, ...]] = [()] * len(rows)
         for idx in split_micro_batches([len(r) for r in rows], self.config.micro_batch_tokens):
@@ -390,7 +405,10 @@ class TorchEngine:
         """HF safetensors + config (+ generation config) and the source dir's tokenizer files."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out, state_dict=self._fp32_state_dict())  # safetensors only in transformers 5
+        if self.is_lora:  # the adapter alone, in the folder itself (what vLLM loads by name)
+            lora.save_adapter(self.model, self.adapter, out, self._fp32_state_dict())
+        else:
+            self.model.save_pretrained(out, state_dict=self._fp32_state_dict())  # safetensors only in transformers 5
         # vLLM loads only the safetensors; the optimizer's moments (2x the trainable weights in
         # fp32) let a restarted trainer continue the same AdamW and lr schedule.
         torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),

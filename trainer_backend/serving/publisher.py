@@ -114,10 +114,11 @@ class WeightPublisher:
         """Swap the weights in ``checkpoint_dir`` (safetensors) in, tagged ``version``."""
         ckpt = str(Path(checkpoint_dir).resolve())
         tag = str(version)
+        adapters = self._adapters_in(Path(ckpt))
+        if adapters:
+            return self._publish_adapters(ckpt, tag, adapters)
         if not any(Path(ckpt).glob("*.safetensors")):  # fail before pausing anything
             raise PublishError(f"no *.safetensors in {ckpt}")
-        if (Path(ckpt) / ADAPTER_CONFIG).is_file():
-            return self._publish_adapter(ckpt, tag)
         t: dict[str, float] = {}
         with httpx.Client(timeout=self.timeout) as c:
             before = self._rpc(c, "lightning_checksum", {}).get("checksum")
@@ -151,13 +152,22 @@ class WeightPublisher:
             after = self._rpc(c, "lightning_checksum", {})["checksum"]
         return self._result(ckpt, tag, t, paused_s, total, before, after, info, reported)
 
-    def _publish_adapter(self, ckpt: str, tag: str) -> PublishResult:
-        """Load a LoRA adapter folder in place under `adapter_name`: the same pause, cache reset,
-        tag and resume as a full swap, but the base weights stay and only the adapter's move."""
-        if not self.adapter_name:
-            raise PublishError(f"{ckpt} is a LoRA adapter: give the publisher adapter_name (its served name)")
+    def _adapters_in(self, ckpt: Path) -> list[tuple[str, Path]]:
+        """(served name, folder) of the LoRA adapters a checkpoint holds: itself (under
+        `adapter_name`), or one subfolder per policy (a policy set's checkpoint, by folder name)."""
+        if (ckpt / ADAPTER_CONFIG).is_file():
+            if not self.adapter_name:
+                raise PublishError(f"{ckpt} is a LoRA adapter: give the publisher adapter_name (its served name)")
+            return [(self.adapter_name, ckpt)]
+        return sorted((d.name, d) for d in ckpt.iterdir() if (d / ADAPTER_CONFIG).is_file()) if ckpt.is_dir() else []
+
+    def _publish_adapters(self, ckpt: str, tag: str, adapters: list[tuple[str, Path]]) -> PublishResult:
+        """Load LoRA adapter folders in place by name, all in one pause: the same pause, cache reset,
+        tag and resume as a full swap, but the base weights stay and only the adapters move."""
+        missing = [str(path) for _, path in adapters if not (path / "adapter_model.safetensors").is_file()]
+        if missing:  # fail before pausing anything
+            raise PublishError(f"no adapter_model.safetensors in {', '.join(missing)}")
         t: dict[str, float] = {}
-        body = {"lora_name": self.adapter_name, "lora_path": ckpt, "load_inplace": True}
         with httpx.Client(timeout=self.timeout) as c:
             t_start = time.perf_counter()
             gw_paused = swapped = False
@@ -169,7 +179,8 @@ class WeightPublisher:
                     gw_paused = True
                 _timed(t, "engine_pause", lambda: _ok(c.post(f"{self.server_url}/pause", params={"mode": "wait"})))
                 engine_paused_at = time.perf_counter()
-                _timed(t, "reload", lambda: _ok(c.post(f"{self.server_url}/v1/load_lora_adapter", json=body)))
+                _timed(t, "reload", lambda: [_ok(c.post(f"{self.server_url}/v1/load_lora_adapter", json={
+                    "lora_name": name, "lora_path": str(path), "load_inplace": True})) for name, path in adapters])
                 _timed(t, "reset_cache", lambda: self._reset_prefix_cache(c))
                 _timed(t, "tag", lambda: _ok(c.post(f"{self.server_url}/update_weight_version",
                                                     json={"new_version": tag})))
@@ -182,8 +193,8 @@ class WeightPublisher:
             total = time.perf_counter() - t_start
             reported = _ok(c.get(f"{self.server_url}/weight_info")).json().get("weight_version")
         problems = () if reported == tag else (f"server reports version {reported!r}, expected {tag!r}",)
-        log.info("published adapter %s as %r (%s) in %.3f s (paused %.4f s)", ckpt, self.adapter_name, tag,
-                 total, paused_s)
+        log.info("published adapters %s from %s as %s in %.3f s (paused %.4f s)",
+                 ", ".join(name for name, _ in adapters), ckpt, tag, total, paused_s)
         return PublishResult(
             version=tag, checkpoint_dir=ckpt, gateway_pause_s=t.get("gateway_pause"),
             engine_pause_s=t["engine_pause"], reload_s=t["reload"], reset_cache_s=t["reset_cache"],

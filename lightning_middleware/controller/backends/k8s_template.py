@@ -144,6 +144,10 @@ def active_deadline_s(template: PodTemplate, timeout_s: float | None) -> int | N
 
 
 def _env(template: PodTemplate, job: RolloutJob, agent_ref: str) -> list[dict[str, Any]]:
+    rewards = job.rewards
+    if rewards is not None and not isinstance(rewards, str):
+        raise ValueError("the k8s backend takes the reward configuration as a file path, present at the same "
+                         "path in the pod (a ConfigMap mount), not a RewardConfig object")
     payload = json.dumps({**asdict(job), "store_url": None}, separators=(",", ":"))
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in template.env.items()]
     env += [{"name": ENV_AGENT, "value": agent_ref}, {"name": ENV_JOB, "value": payload}]

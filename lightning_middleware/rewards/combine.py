@@ -1,0 +1,180 @@
+"""Scoring a rollout under a configuration: every component, then the weighted final reward.
+
+Each component is stored as its own reward (name = the component's, `config_hash` = the
+configuration's, `metadata` = its source, weight and what it found); the final reward is
+sum(weight x value) over the components that have a value, stored as the reward "final" with
+the same hash. That final reward is the rollout's `final_reward` (the number the trainer reads)
+under the store's rule: while no trainer has claimed or consumed the rollout.
+
+A component that fails (a rule raising, the judge unreachable) is recorded in a "reward_errors"
+reward; with `on_error = "drop"` (the default) the rollout then gets no final reward, so it is
+never trained on a signal with a term missing; with "partial" the final reward is the sum of the
+rest. A component that does not apply (a rule returning None, no human label yet) is absent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_middleware.records import Reward, RolloutStatus
+from lightning_middleware.rewards.config import Component, RewardConfig
+from lightning_middleware.rewards.guards import BUILTIN_GUARDS
+from lightning_middleware.rewards.rules import BUILTIN_RULES, Rule, Score, as_score, resolve
+from lightning_middleware.rewards.sources import human_score, local_scorer, model_score
+from lightning_middleware.rewards.trajectory import HUMAN, Trajectory, load_trajectory
+from lightning_middleware.store import TraceStore
+
+log = logging.getLogger(__name__)
+
+FINAL = "final"
+ERRORS = "reward_errors"
+REWARD_MODEL = "reward_model"
+APPLY = ("none", "unconsumed", "all")
+
+
+@dataclass(frozen=True)
+class ComponentValue:
+    name: str
+    source: str  # rule | guard | reward_model | human
+    weight: float
+    value: float | None  # None: absent, or failed (then `error` says why)
+    detail: Mapping[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Scored:
+    rollout_id: str
+    config_hash: str
+    components: tuple[ComponentValue, ...]
+    final: float | None  # None: dropped (a component failed and on_error is "drop")
+    zeroed_by: tuple[str, ...] = ()  # the guards with action "zero" that fired (final is then 0.0)
+
+    @property
+    def values(self) -> dict[str, float]:
+        return {c.name: c.value for c in self.components if c.value is not None}
+
+    @property
+    def errors(self) -> dict[str, str]:
+        return {c.name: c.error for c in self.components if c.error is not None}
+
+
+@dataclass(frozen=True)
+class Written:
+    scored: Scored
+    rewards: int  # reward rows written (unchanged components are not written again)
+    applied: bool  # the final reward became the rollout's final_reward
+
+
+def _latest(rewards: Sequence[Reward], name: str, config_hash: str) -> Reward | None:
+    found = [r for r in rewards if r.name == name and r.config_hash == config_hash]
+    return found[-1] if found else None
+
+
+class Scorer:
+    """A configuration with its functions resolved (a bad name fails here, at set-up)."""
+
+    def __init__(self, config: RewardConfig) -> None:
+        self.config = config
+        self.hash = config.hash
+        builtins: dict[str, Mapping[str, Rule]] = {"rule": BUILTIN_RULES, "guard": BUILTIN_GUARDS}
+        self._functions = {c.name: resolve(c, builtins[c.kind]) for c in config.components}
+        self._scorer = local_scorer(config.reward_model) if config.reward_model else None
+        self._zeroing = {c.name for c in config.guards if c.action == "zero"}
+
+    # -- computing -----------------------------------------------------------------
+    def _run(self, c: Component, t: Trajectory) -> ComponentValue:
+        try:
+            score = as_score(self._functions[c.name](t, **c.params), f"{c.kind} {c.name!r}")
+        except Exception as exc:  # noqa: BLE001 - a user's rule: recorded, never fatal to the rollout
+            log.warning("%s %r failed on rollout %s: %s: %s", c.kind, c.name, t.rollout.id, type(exc).__name__, exc)
+            return ComponentValue(c.name, c.kind, c.weight, None, error=f"{type(exc).__name__}: {exc}")
+        return self._value(c.name, c.kind, c.weight, score)
+
+    @staticmethod
+    def _value(name: str, source: str, weight: float, score: Score | None) -> ComponentValue:
+        if score is None:
+            return ComponentValue(name, source, weight, None)
+        return ComponentValue(name, source, weight, score.value, dict(score.detail))
+
+    def _model(self, t: Trajectory, reuse: bool) -> ComponentValue:
+        cfg = self.config.reward_model
+        assert cfg is not None
+        stored = _latest(t.rewards, REWARD_MODEL, self.hash) if reuse else None
+        if stored is not None:
+            return ComponentValue(REWARD_MODEL, REWARD_MODEL, cfg.weight, stored.value,
+                                  dict(stored.metadata.get("detail") or {}))
+        try:
+            return self._value(REWARD_MODEL, REWARD_MODEL, cfg.weight, model_score(t, cfg, self._scorer))
+        except Exception as exc:  # noqa: BLE001 - recorded as the component's error
+            log.warning("reward model failed on rollout %s: %s", t.rollout.id, exc)
+            return ComponentValue(REWARD_MODEL, REWARD_MODEL, cfg.weight, None, error=f"{type(exc).__name__}: {exc}")
+
+    def score(self, t: Trajectory, *, reuse_model: bool = False) -> Scored:
+        """Every component of `t` and the final reward. `reuse_model`: take the reward model's
+        value stored under this configuration, if there is one, instead of asking it again."""
+        parts = [self._run(c, t) for c in self.config.components]
+        if self.config.reward_model is not None:
+            parts.append(self._model(t, reuse_model))
+        if self.config.human is not None:
+            parts.append(self._value(HUMAN, HUMAN, self.config.human.weight, human_score(t)))
+        failed = any(p.error for p in parts)
+        final = None if failed and self.config.on_error == "drop" else sum(
+            p.weight * p.value for p in parts if p.value is not None)
+        zeroed = tuple(p.name for p in parts if p.name in self._zeroing and (p.value or 0.0) > 0)
+        if zeroed and final is not None:
+            final = 0.0
+        return Scored(t.rollout.id, self.hash, tuple(parts), final, zeroed)
+
+    # -- storing -------------------------------------------------------------------
+    def records(self, scored: Scored, previous: Sequence[Reward], *, final: bool,
+                outdated: bool = False) -> list[Reward]:
+        """The rewards to store for `scored`: the components whose value changed since the last
+        scoring under this configuration, the errors, and the final reward (`final` marks it
+        final, i.e. for the rollout's final_reward; `outdated`: the rollout's final_reward is not
+        this final reward yet and may still move, so it is written even if unchanged)."""
+        now, rid, h = time.time(), scored.rollout_id, scored.config_hash
+        out = []
+        for p in scored.components:
+            if p.value is None:
+                continue
+            last = _latest(previous, p.name, h)
+            if last is None or last.value != p.value:
+                out.append(Reward(rid, p.value, name=p.name, final=False, created_at=now, config_hash=h,
+                                  metadata={"source": p.source, "weight": p.weight, "detail": dict(p.detail)}))
+        if scored.errors:
+            out.append(Reward(rid, float(len(scored.errors)), name=ERRORS, final=False, created_at=now,
+                              config_hash=h, metadata={"errors": scored.errors, "on_error": self.config.on_error}))
+        if scored.final is not None:
+            last = _latest(previous, FINAL, h)
+            if out or last is None or last.value != scored.final or (final and outdated):
+                out.append(Reward(rid, scored.final, name=FINAL, final=final, created_at=now, config_hash=h,
+                                  metadata={"components": scored.values, "weights": self.config.weights,
+                                            "absent": [p.name for p in scored.components if p.value is None],
+                                            **({"zeroed_by": list(scored.zeroed_by)} if scored.zeroed_by else {})}))
+        return out
+
+    def score_rollout(self, store: TraceStore, rollout_id: str, *, status: RolloutStatus | str | None = None,
+                      apply: str = "unconsumed", reuse_model: bool = False) -> Written:
+        """Score a stored rollout and store the result. `apply`: "unconsumed" (the final reward
+        becomes the rollout's final_reward under the store's rule), "none" (stored beside it
+        only), "all" (also on a rollout a trainer has taken; the earlier rewards stay)."""
+        if apply not in APPLY:
+            raise ValueError(f"apply must be one of {', '.join(APPLY)}, got {apply!r}")
+        t = load_trajectory(store, rollout_id, status=status)
+        return self.store_scored(store, t, apply=apply, reuse_model=reuse_model)
+
+    def store_scored(self, store: TraceStore, t: Trajectory, *, apply: str, reuse_model: bool = False) -> Written:
+        scored = self.score(t, reuse_model=reuse_model)
+        r = t.rollout
+        movable = apply == "all" or (r.claimed_by is None and r.consumed_step is None)
+        records = self.records(scored, t.rewards, final=apply != "none",
+                               outdated=movable and r.final_reward != scored.final)
+        applied = store.add_rewards(records, force_final=apply == "all")
+        if scored.final is None:
+            log.warning("rollout %s has no final reward under %s: %s", t.rollout.id, self.hash, scored.errors)
+        return Written(scored, len(records), t.rollout.id in applied)

@@ -1,0 +1,299 @@
+"""One reward configuration, in Python or in a TOML/JSON file, and its hash.
+
+    reward_type = "hybrid"            # rule | model | hybrid
+    on_error = "drop"                 # drop | partial: what a component that failed does to the final
+    [rules]
+    tool_call_valid = 1.0             # a built-in rule, by its weight
+    task_complete = 5.0
+    syntax_error = -2.0
+    [rules.tests_pass]                # your own: a function of the trajectory, with parameters
+    function = "my_project.rewards:tests_pass"
+    weight = 3.0
+    min_passed = 1
+    [guards]
+    repeated_tool_calls = { weight = -1.0, max_repeats = 2 }
+    tests_bypassed = { weight = -1.0, action = "zero" }   # fired: the final reward is 0.0
+    [reward_model]
+    weight = 2.0
+    url = "http://127.0.0.1:8001/v1"
+    model = "judge"
+    [human]
+    weight = 3.0
+    interval = 10
+
+The final reward is the sum of weight x value over the components (docs/rewards.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_middleware.errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # a declared dependency on 3.10
+    import tomli as tomllib
+
+REWARD_TYPES = ("rule", "model", "hybrid")
+AGENT = "agent"  # the name a configured rollout's own reported reward is stored under
+ON_ERROR = ("drop", "partial")
+GUARD_ACTIONS = ("penalise", "zero")
+_TOP_KEYS = {"reward_type", "on_error", "rules", "guards", "reward_model", "human", "name"}
+_MODEL_KEYS = {"weight", "url", "model", "scorer", "path", "prompt", "max_score", "scale", "offset", "timeout_s",
+               "retries", "api_key_env", "max_chars"}
+_HUMAN_KEYS = {"weight", "interval"}
+
+
+class ConfigError(UsageError, ValueError):
+    """A reward configuration is malformed; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Component:
+    """A rule or a guard as configured: `function` is a built-in's name, "package.module:function",
+    or (in Python) the function itself; `params` are passed to it as keyword arguments."""
+
+    name: str
+    weight: float
+    function: str | Callable[..., Any]
+    params: Mapping[str, Any] = field(default_factory=dict)
+    kind: str = "rule"  # rule | guard
+    # A guard's effect when it fires (value > 0): "penalise" adds weight x value like any
+    # component; "zero" makes the rollout's final reward 0.0 whatever the other components say.
+    action: str = "penalise"
+
+    def __post_init__(self) -> None:
+        if self.action not in GUARD_ACTIONS:
+            raise ConfigError(f"{self.kind}s.{self.name}.action must be one of {', '.join(GUARD_ACTIONS)}, "
+                              f"got {self.action!r}")
+        if self.kind != "guard" and self.action != "penalise":
+            raise ConfigError(f"rules.{self.name}: only a guard takes an action")
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "weight": self.weight, "function": function_name(self.function),
+                "params": dict(sorted(self.params.items())), "kind": self.kind, "action": self.action}
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    """A reward model: an OpenAI-compatible judge (`url`, `model`), a local Hugging Face
+    sequence-classification model run in-process with transformers (`path`), or a `scorer`
+    ("package.module:function" or a function of the trajectory returning a number)."""
+
+    weight: float = 1.0
+    url: str | None = None
+    model: str | None = None
+    scorer: str | Callable[..., Any] | None = None
+    path: str | None = None  # a local Hugging Face sequence-classification model, run in-process
+    prompt: str | None = None  # None: sources.DEFAULT_JUDGE_PROMPT
+    max_score: float = 10.0  # the judge's scale: its score / max_score is the value, in [0, 1]
+    scale: float = 1.0  # value * scale + offset: a calibration against human labels
+    offset: float = 0.0
+    timeout_s: float = 30.0
+    retries: int = 2
+    api_key_env: str | None = None  # the judge's key is read from this variable, never stored
+    max_chars: int = 8000  # the transcript shown to the judge is cut to this many characters
+
+    def describe(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in sorted(_MODEL_KEYS - {"api_key_env", "timeout_s", "retries"})}
+        out["scorer"] = function_name(self.scorer) if self.scorer is not None else None
+        return out
+
+
+@dataclass(frozen=True)
+class HumanConfig:
+    """Human feedback: `interval` N puts every Nth rollout (chosen by its id) on the labelling
+    page's queue; labels of any rollout count."""
+
+    weight: float = 1.0
+    interval: int = 0
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    reward_type: str = "hybrid"
+    rules: tuple[Component, ...] = ()
+    guards: tuple[Component, ...] = ()
+    reward_model: RewardModelConfig | None = None
+    human: HumanConfig | None = None
+    on_error: str = "drop"
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_shape(self)
+
+    @property
+    def components(self) -> tuple[Component, ...]:
+        return (*self.rules, *self.guards)
+
+    def describe(self) -> dict[str, Any]:
+        """Everything that changes a reward, as plain data (what the hash is taken of)."""
+        return {
+            "reward_type": self.reward_type, "on_error": self.on_error,
+            "components": [c.describe() for c in self.components],
+            "reward_model": self.reward_model.describe() if self.reward_model else None,
+            "human": {"weight": self.human.weight} if self.human else None,
+        }
+
+    @property
+    def hash(self) -> str:
+        """16 hex digits naming this configuration (the human queue's interval and the name aside)."""
+        text = json.dumps(self.describe(), sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    @property
+    def weights(self) -> dict[str, float]:
+        out = {c.name: c.weight for c in self.components}
+        if self.reward_model is not None:
+            out["reward_model"] = self.reward_model.weight
+        if self.human is not None:
+            out["human"] = self.human.weight
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RewardConfig:
+        return from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> RewardConfig:
+        return load_config(path)
+
+
+def function_name(fn: str | Callable[..., Any]) -> str:
+    if isinstance(fn, str):
+        return fn
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{where} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _component(name: str, spec: Any, kind: str) -> Component:
+    where = f"{kind}s.{name}"
+    if not isinstance(spec, Mapping):
+        return Component(name, _number(spec, where), name, {}, kind)
+    if "weight" not in spec:
+        raise ConfigError(f"{where} needs a weight")
+    params = {k: v for k, v in spec.items() if k not in ("weight", "function", "params", "action")}
+    extra = spec.get("params", {})
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"{where}.params must be a table")
+    function = spec.get("function", name)
+    if not (isinstance(function, str) or callable(function)):
+        raise ConfigError(f"{where}.function must be a built-in's name or 'package.module:function'")
+    return Component(name, _number(spec["weight"], f"{where}.weight"), function, {**params, **extra}, kind,
+                     str(spec.get("action", "penalise")))
+
+
+def _components(data: Any, kind: str) -> tuple[Component, ...]:
+    if data is None:
+        return ()
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"[{kind}s] must be a table of name = weight or name = {{ weight = ..., ... }}")
+    return tuple(_component(str(name), spec, kind) for name, spec in data.items())
+
+
+def _model(data: Any) -> RewardModelConfig | None:
+    if data is None:
+        return None
+    if isinstance(data, RewardModelConfig):
+        return data
+    if not isinstance(data, Mapping):
+        raise ConfigError("[reward_model] must be a table")
+    unknown = set(data) - _MODEL_KEYS
+    if unknown:
+        raise ConfigError(f"[reward_model] has unknown keys {sorted(unknown)} (known: {sorted(_MODEL_KEYS)})")
+    kw = dict(data)
+    for key in ("weight", "max_score", "scale", "offset", "timeout_s"):
+        if key in kw:
+            kw[key] = _number(kw[key], f"reward_model.{key}")
+    cfg = RewardModelConfig(**kw)
+    if sum(x is not None for x in (cfg.url, cfg.scorer, cfg.path)) != 1:
+        raise ConfigError("[reward_model] needs exactly one of url (an OpenAI-compatible judge), path (a local "
+                          "sequence-classification model) or scorer (a function)")
+    if cfg.url is not None and not cfg.model:
+        raise ConfigError("[reward_model] with a url needs the judge's model name (model = ...)")
+    if cfg.max_score <= 0:
+        raise ConfigError("reward_model.max_score must be positive")
+    return cfg
+
+
+def _human(data: Any) -> HumanConfig | None:
+    if data is None or isinstance(data, HumanConfig):
+        return data
+    if not isinstance(data, Mapping):
+        raise ConfigError("[human] must be a table")
+    unknown = set(data) - _HUMAN_KEYS
+    if unknown:
+        raise ConfigError(f"[human] has unknown keys {sorted(unknown)} (known: {sorted(_HUMAN_KEYS)})")
+    interval = data.get("interval", 0)
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+        raise ConfigError(f"human.interval must be a whole number >= 0, got {interval!r}")
+    return HumanConfig(weight=_number(data.get("weight", 1.0), "human.weight"), interval=interval)
+
+
+def from_dict(data: Mapping[str, Any]) -> RewardConfig:
+    """A configuration from the file's shape (module docstring); ConfigError names a bad key."""
+    if not isinstance(data, Mapping):
+        raise ConfigError("a reward configuration is a table (a TOML file or a JSON object)")
+    unknown = set(data) - _TOP_KEYS
+    if unknown:
+        raise ConfigError(f"unknown keys {sorted(unknown)} in the reward configuration (known: {sorted(_TOP_KEYS)})")
+    return RewardConfig(
+        reward_type=data.get("reward_type", "hybrid"), rules=_components(data.get("rules"), "rule"),
+        guards=_components(data.get("guards"), "guard"), reward_model=_model(data.get("reward_model")),
+        human=_human(data.get("human")), on_error=data.get("on_error", "drop"), name=data.get("name"))
+
+
+def load_config(path: str | os.PathLike[str]) -> RewardConfig:
+    """A configuration from a .toml or .json file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"reward configuration {str(p)!r} does not exist")
+    text = p.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+    except ValueError as exc:  # tomllib.TOMLDecodeError and json.JSONDecodeError are ValueErrors
+        raise ConfigError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {exc}") from exc
+    try:
+        return from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc}") from exc
+
+
+def _check_shape(cfg: RewardConfig) -> None:
+    if cfg.reward_type not in REWARD_TYPES:
+        raise ConfigError(f"reward_type must be one of {', '.join(REWARD_TYPES)}, got {cfg.reward_type!r}")
+    if cfg.on_error not in ON_ERROR:
+        raise ConfigError(f"on_error must be one of {', '.join(ON_ERROR)}, got {cfg.on_error!r}")
+    if cfg.reward_type == "rule" and cfg.reward_model is not None:
+        raise ConfigError("reward_type 'rule' takes no [reward_model]: use 'hybrid' for rules and a reward model")
+    if cfg.reward_type == "model" and cfg.rules:
+        raise ConfigError("reward_type 'model' takes no [rules]: use 'hybrid' for rules and a reward model")
+    if cfg.reward_type == "model" and cfg.reward_model is None:
+        raise ConfigError("reward_type 'model' needs a [reward_model] section")
+    if cfg.reward_type == "hybrid" and cfg.reward_model is None and not cfg.rules:
+        raise ConfigError("reward_type 'hybrid' (the default) needs [rules] or a [reward_model]; "
+                          "for guards and human feedback alone use reward_type = 'rule'")
+    names = [c.name for c in cfg.components] + (["reward_model"] if cfg.reward_model else []) + (
+        ["human"] if cfg.human else [])
+    reserved = {"final", "reward_errors", "reward_model", "human", AGENT}
+    for c in cfg.components:
+        if c.name in reserved:
+            raise ConfigError(f"a {c.kind} may not be named {c.name!r} (reserved)")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"component names must be unique, got {names}")
+    if not names:
+        raise ConfigError("the configuration has no component: give [rules], [guards], [reward_model] or [human]")

@@ -1,0 +1,62 @@
+"""Bringing a store of an older schema version up to this one, at open.
+
+Only additive steps: the tables a version added come from `create_all`; the nullable columns it
+added (`schema.ADDED_COLUMNS`) are added here with `ALTER TABLE ... ADD COLUMN`, which on both
+engines changes the table's definition without rewriting its rows. Two processes opening the same
+old store at once both try: the loser's "column exists" is taken as done.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+
+from lightning_middleware.store import schema as S
+from lightning_middleware.store.connect import StoreError
+
+log = logging.getLogger(__name__)
+
+
+def stored_version(conn: sa.Connection) -> int | None:
+    """The schema version a store records (None: none recorded yet, a store being created)."""
+    found = conn.execute(sa.select(S.schema_info.c.value).where(S.schema_info.c.key == "version")).scalar()
+    return None if found is None else int(found)
+
+
+def upgrade(engine: sa.Engine, found: int) -> None:
+    """Add what versions `found + 1 .. SCHEMA_VERSION` added, then record SCHEMA_VERSION."""
+    if found >= S.SCHEMA_VERSION:
+        return
+    for version in range(found + 1, S.SCHEMA_VERSION + 1):
+        for table, column in S.ADDED_COLUMNS.get(version, ()):
+            _add_column(engine, S.metadata.tables[table].c[column])
+    with engine.begin() as conn:
+        conn.execute(sa.update(S.schema_info).where(S.schema_info.c.key == "version",
+                                                    S.schema_info.c.value == str(found))
+                     .values(value=str(S.SCHEMA_VERSION)))
+    log.info("trace store upgraded from schema version %d to %d", found, S.SCHEMA_VERSION)
+
+
+def _has_column(engine: sa.Engine, table: str, column: str) -> bool:
+    return column in {c["name"] for c in sa.inspect(engine).get_columns(table)}
+
+
+def _add_column(engine: sa.Engine, column: sa.Column) -> None:
+    table = column.table.name
+    if _has_column(engine, table, column.name):
+        return
+    preparer = engine.dialect.identifier_preparer
+    kind = column.type.compile(dialect=engine.dialect)
+    guard = "IF NOT EXISTS " if engine.dialect.name == "postgresql" else ""
+    ddl = f"ALTER TABLE {preparer.quote(table)} ADD COLUMN {guard}{preparer.quote(column.name)} {kind}"
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(ddl)
+    except sa_exc.DBAPIError as exc:
+        if _has_column(engine, table, column.name):  # another process added it meanwhile
+            return
+        reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
+        raise StoreError(f"cannot upgrade the store's table {table} (add column {column.name}): {reason}; "
+                         "open it once with a user allowed to ALTER it") from exc

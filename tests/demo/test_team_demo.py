@@ -1,0 +1,56 @@
+"""`lightning-mw demo --task team`, end to end and short: two LangGraph agents on one vLLM CPU
+server, each node's calls served and recorded under its own LoRA adapter, per-agent rewards in
+the store, each adapter trained on its own rows, and the team's held-out success rising. The
+margin comes from the measured runs (docs/policies.md, "The team demo")."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+CI_STEPS = 30
+CI_MAX_MINUTES = 7.0
+CI_EVAL_TASKS = 256
+CI_MIN_GAIN_PP = 6.0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(1800)
+def test_short_team_demo_trains_each_role_on_its_own_adapter(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    pytest.importorskip("langgraph")
+    from trainer_backend.demo.run import DemoConfig, run_demo
+    from trainer_backend.demo.team import TeamDemoRun
+    from trainer_backend.serving import env as serving
+
+    if not serving.vllm_python().exists() and os.environ.get("LIGHTNING_TEST_INSTALL_VLLM") != "1":
+        pytest.skip("no vLLM environment: run `lightning-mw vllm-env`")
+    out = tmp_path / "team"
+    res = run_demo(DemoConfig(out_dir=str(out), task="team", seed=0, minutes=CI_MAX_MINUTES, max_steps=CI_STEPS,
+                              lr=2e-3, lr_end=1e-3, eval_tasks=CI_EVAL_TASKS, greedy=False, progress=False),
+                   TeamDemoRun)
+    roles = res["roles"]
+    print("CI team demo on " + res["machine"]["kind"] + ": "
+          + ", ".join(f"{k} {v['before']:.1%} -> {v['after']:.1%}" for k, v in roles.items())
+          + f" in {res['steps']} steps")
+    assert res["before"]["sampled"]["errors"] == 0 and res["after"]["sampled"]["errors"] == 0
+    assert res["steps"] >= 20, f"only {res['steps']} of {CI_STEPS} steps within {CI_MAX_MINUTES:g} min"
+    # each role's calls went to its own adapter, named by its LangGraph node; none to the base name
+    db = sqlite3.connect(out / "traces.db")
+    pairs = set(db.execute("select agent_name, model from llm_calls"))
+    assert pairs == {("scout", "scout"), ("closer", "closer")}, pairs
+    # per-agent rewards are stored beside the team's reward, for every train rollout that ended
+    agents = {a for (a,) in db.execute("select distinct agent from rewards where agent is not null")}
+    assert agents == {"scout", "closer"}
+    # both adapters were trained, each on its own rows, in most steps
+    curve = res["curve"]
+    assert sum(1 for c in curve if c.get("scout/rows", 0) > 0) >= len(curve) // 2
+    assert sum(1 for c in curve if c.get("closer/rows", 0) > 0) >= len(curve) // 2
+    assert (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("v*/scout/adapter_model.safetensors"))
+    gain = roles["success"]["gain_pp"]
+    assert gain >= CI_MIN_GAIN_PP, f"team held-out success {roles['success']} ({gain:+.1f} pp)"
