@@ -148,3 +148,25 @@ def test_rollout_jobs_are_valid_with_and_without_the_sandbox() -> None:
     assert env["GIT_DIR"]["value"].startswith("/dev/null")
     with pytest.raises(ValueError, match="unknown pod template keys"):
         PodTemplate.from_dict({"image": "x", "imagee": "y"})
+
+
+def test_the_light_core_does_not_import_the_kubernetes_client() -> None:
+    code = ("import sys, lightning_middleware.controller, lightning_middleware.deploy,"
+            " lightning_middleware.controller.cli;"
+            "print(sorted(m for m in ('kubernetes', 'kubernetes_validate', 'yaml') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_a_reward_configuration_travels_to_the_pod_by_path_only() -> None:
+    from lightning_middleware.rewards import RewardConfig
+
+    tmpl = PodTemplate(image="img:1")
+    by_path = RolloutJob(rollout_id="a" * 32, task_id="t", task={}, rewards="/etc/lightning/rewards.toml")
+    env = {e["name"]: e.get("value") for e in
+           job_manifest(tmpl, by_path, run_id="r", agent_ref="m:f")["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert '"rewards":"/etc/lightning/rewards.toml"' in env["LIGHTNING_ROLLOUT_JOB"]
+    with pytest.raises(ValueError, match="as a file path"):
+        job_manifest(tmpl, RolloutJob(rollout_id="b" * 32, task_id="t", task={},
+                                rewards=RewardConfig.from_dict({"reward_type": "rule", "human": {}})),
+                     run_id="r", agent_ref="m:f")

@@ -125,6 +125,7 @@ class KubernetesBackend:
         self._slots: asyncio.Semaphore | None = None
         self._slots_loop: asyncio.AbstractEventLoop | None = None
         self._api: Any = None
+        self._last_watch_error: str | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self, agent: AgentFn | str, store: TraceStore) -> None:
@@ -147,7 +148,8 @@ class KubernetesBackend:
         end = time.monotonic() + self.start_timeout_s
         if not all(ev.wait(max(0.0, end - time.monotonic())) for ev in ready):
             raise KubernetesAPIError(f"cannot list Jobs/Pods in namespace {self.namespace!r} within "
-                                     f"{self.start_timeout_s:g}s at {self._api.configuration.host}")
+                                     f"{self.start_timeout_s:g}s at {self._api.configuration.host} "
+                                     f"(last error: {self._last_watch_error or 'none'})")
 
     def _ensure_network_policy(self, client: Any) -> None:
         sb = self.template.sandbox
@@ -227,6 +229,7 @@ class KubernetesBackend:
                 self._watchers.remove(w)
 
     def _watch_failed(self, kind: str, exc: BaseException) -> None:
+        self._last_watch_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc) else ''}"
         if not self._closing.is_set():
             log.warning("watching %s of run %s failed, watching again: %s", kind, self.run_id, exc)
             self._closing.wait(0.5)
