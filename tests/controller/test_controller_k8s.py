@@ -92,7 +92,9 @@ def test_failures_are_classified_and_infrastructure_ones_retried(cluster: Cluste
     assert "ErrImagePull" in (sq.get_rollout(results["t1"].rollout_ids[0]).error or "") \
         or "ImagePullBackOff" in (sq.get_rollout(results["t1"].rollout_ids[0]).error or "")
     exited = results["t4"]
-    assert exited.status == "failed" and exited.attempts == 1 and "exited with code 3" in exited.error
+    first_exit = sq.get_rollout(exited.rollout_ids[0])
+    assert exited.status == "failed" and exited.attempts == 1 and "exited with code 3" in exited.error, \
+        (exited, first_exit.error if first_exit else None)
     assert "agent log line 29" in exited.error and "agent log line 5\n" not in exited.error  # the last 20 lines
     assert len(sq.calls(exited.rollout_id)) == 1  # the span flushed before the exit stays
     slow = results["t5"]
