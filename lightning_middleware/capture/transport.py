@@ -32,8 +32,8 @@ import types
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from lightning_middleware.capture.assembly import BodyRewriter, EventRewriter
 from lightning_middleware.capture.calls import ROUTING_HEADERS, CaptureSettings, PendingCall, begin_request
+from lightning_middleware.capture.rewriting import BodyRewriter, EventRewriter
 from lightning_middleware.capture.translation import Outgoing, format_to_translate, translate_outgoing
 
 log = logging.getLogger(__name__)
@@ -58,13 +58,16 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
 
         def __iter__(self) -> Iterator[bytes]:
             rw = self._rw
-            for chunk in self._inner:
-                self._chunks.append(chunk)
-                out = chunk if rw is None else rw.feed(chunk)
-                if out:
-                    yield out
-            if rw is not None and (tail := rw.finish()):
-                yield tail
+            try:
+                for chunk in self._inner:
+                    self._chunks.append(chunk)
+                    out = chunk if rw is None else rw.feed(chunk)
+                    if out:
+                        yield out
+                if rw is not None and (tail := rw.finish()):
+                    yield tail
+            finally:  # read to the end, or let go unclosed (an SDK that raised mid-stream): recorded now
+                self._on_close()
 
         def close(self) -> None:
             try:
@@ -78,13 +81,16 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
 
         async def __aiter__(self) -> AsyncIterator[bytes]:
             rw = self._rw
-            async for chunk in self._inner:
-                self._chunks.append(chunk)
-                out = chunk if rw is None else rw.feed(chunk)
-                if out:
-                    yield out
-            if rw is not None and (tail := rw.finish()):
-                yield tail
+            try:
+                async for chunk in self._inner:
+                    self._chunks.append(chunk)
+                    out = chunk if rw is None else rw.feed(chunk)
+                    if out:
+                        yield out
+                if rw is not None and (tail := rw.finish()):
+                    yield tail
+            finally:  # as in TeeStream
+                self._on_close()
 
         async def aclose(self) -> None:
             try:

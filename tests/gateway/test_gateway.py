@@ -263,7 +263,7 @@ def test_clear_json_errors(gw_lite: Gateway) -> None:
                    json={"model": "m", "messages": [{"role": "user", "content": "x" * 70000}]}), 413, "body_too_large")
     err(httpx.post(base + f"/rollouts/{rid}/reward", json={"value": "high"}), 400, "bad_reward")
     err(httpx.post(base + f"/rollouts/{rid}/reward", json={"value": True}), 400, "bad_reward")
-    err(httpx.post(base + f"/rollouts/{rid}/reward", content=b'{"value": NaN}'), 400, "bad_reward")
+    err(httpx.post(base + f"/rollouts/{rid}/reward", content=b'{"value": NaN}'), 400, "invalid_json")  # not JSON
     err(httpx.post(base + f"/rollouts/{rid}/finish", json={"status": "great"}), 400, "bad_status")
     assert httpx.post(base + f"/rollouts/{rid}/fail", json={"error": "tool crashed"}).json()["status"] == "failed"
     assert httpx.post(base + f"/rollouts/{rid}/fail", json={"error": "tool crashed"}).status_code == 200  # retried
