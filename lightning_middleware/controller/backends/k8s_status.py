@@ -147,6 +147,8 @@ def judge(job: dict[str, Any] | None, pod: dict[str, Any] | None, *, pod_deleted
         found = _from_pod(pod)
         if found is not None:
             return found
+        if pod_deleted and not final:
+            return Verdict(None, settle=True)  # the Job controller deletes pods at the deadline: wait for the Job
         if pod_deleted:
             name = (pod.get("metadata") or {}).get("name")
             return _lost(PodNodeLost(f"pod {name} was deleted before it finished"), name)
