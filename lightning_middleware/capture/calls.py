@@ -161,15 +161,23 @@ class PendingCall:
         return self.state.store if self.state is not None else self.settings.store
 
     def rejected(self, status_code: int, host: str) -> bool:
-        """Did `host` answer 400 to fields we added? Then stop adding them there: the caller's
-        request is resent as written (`self.body`), and recording is never why a call fails."""
+        """Did `host` answer 400 to a request we added fields to? Then the caller's request is to
+        be resent as written (`self.body`): recording is never why a call fails."""
         if not (self.added and status_code == 400):
             return False
+        self.added = frozenset()
+        return True
+
+    def resent(self, status_code: int, host: str) -> None:
+        """The answer to the request resent as written after `rejected`. If it succeeded, the host
+        refuses our fields (not vLLM?): stop adding them there. If it failed too, the 400 was
+        about the request itself (a context too long, a bad message), and the host keeps getting
+        them: one such 400 must not end token IDs for the rest of the process."""
+        if status_code >= 400:
+            return
         self.settings.no_inject_hosts.add(host)
         _warn_once(f"reject:{host}", "%s rejected return_token_ids/logprobs (not vLLM?); sending requests "
                    "to it unchanged from now on, without token IDs", host)
-        self.added = frozenset()
-        return True
 
     def finish(self, *, status_code: int | None = None, chunks: list[bytes] | None = None,
                headers: Any = None, error: str | None = None) -> None:

@@ -176,7 +176,8 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
         return None
 
     def rejected_injection(pending: PendingCall, request: Any, response: Any) -> bool:
-        """A 400 to a request we changed: resend it as the caller wrote it, and stop changing that host's."""
+        """A 400 to a request we changed: resend it as the caller wrote it (`PendingCall.resent` then
+        decides whether that host's requests stay unchanged)."""
         if not pending.rejected(response.status_code, request.url.host):
             return False
         set_body(request, pending.body)
@@ -199,6 +200,7 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
                 if pending is not None and rejected_injection(pending, request, response):
                     response.close()
                     response = self.inner.handle_request(request)
+                    pending.resent(response.status_code, request.url.host)
             except Exception as exc:
                 if pending is not None:
                     pending.finish(error=f"{type(exc).__name__}: {exc}")
@@ -225,6 +227,7 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
                 if pending is not None and rejected_injection(pending, request, response):
                     await response.aclose()
                     response = await self.inner.handle_async_request(request)
+                    pending.resent(response.status_code, request.url.host)
             except BaseException as exc:  # CancelledError too: the attempt is recorded as failed
                 if pending is not None:
                     pending.finish(error=f"{type(exc).__name__}: {exc}")
