@@ -7,8 +7,9 @@ rollouts of a streaming three-turn agent run under the rollout controller (threa
 four at a time); the engine is killed while streams are open and started again on its port a
 second later. The agent sees the failure as `openai.APIConnectionError`, an infrastructure
 error: the controller retries the rollout as a new attempt (its backoff must outlast the
-engine's restart: here 6 attempts from 0.5 s doubling; the default 3 from 0.2 s gives up first). Nothing half-recorded is trainable:
-cut streams are recorded partial, not training calls, in rollouts that ended failed.
+engine's restart: here 6 attempts from 0.5 s doubling; the default 3 from 0.2 s gave up first).
+Nothing half-recorded is trainable: cut streams are recorded partial, not training calls, in
+rollouts that ended failed.
 """
 
 from __future__ import annotations

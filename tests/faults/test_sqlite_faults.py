@@ -27,7 +27,8 @@ CALLS = 30
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 32 MiB tmpfs (room for the schema and a WAL of up to 1000 16 KiB pages) (root can mount one here; elsewhere the cell cannot run as written)."""
+    """A 32 MiB tmpfs: room for the schema and a WAL of up to 1000 16 KiB pages. Mounting needs root
+    (as here); elsewhere the cell is skipped, saying why."""
     disk = tmp_path / "disk"
     disk.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(disk)], capture_output=True,
@@ -106,7 +107,8 @@ def test_sqlite_long_reader_does_not_block_the_writer(tmp_path: Path, llm_server
         reader.rollback()
         reader.close()
     report(Cell("SQLite long reader", sent=CALLS, recorded=CALLS, lost=0, recovery_s=0.0,
-                note=f"WAL mode: written during the read (WAL {wal // 1024} KiB); slowest call {slowest * 1000:.0f} ms"))
+                note=f"WAL mode: written during the read (WAL {wal // 1024} KiB); "
+                     f"slowest call {slowest * 1000:.0f} ms"))
     store.close()
 
 
