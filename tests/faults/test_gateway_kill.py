@@ -4,9 +4,9 @@ Eight agents (threads, one rollout each, the openai SDK) call through a gateway 
 SQLite; it is killed after 60 answered calls and started again on the same port; the agents
 retry what failed while it was down and go on. Afterwards every call the gateway answered
 with 200 is looked for in the store. The gateway answers before its record is on disk (the
-store's background writer commits every `writer_interval_s`, 50 ms), so a kill loses the calls
-answered in the last interval: the test measures that number and holds it to the bound (what
-eight agents get answered in ~0.3 s at most on this machine), not to zero.
+store's background writer commits every `writer_interval_s`, 50 ms, later when it lags under
+load), so a kill loses the calls answered just before it: the test measures how many and how
+long before the kill they were answered, and holds that age to a bound (1 s), not to zero.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from tests.faults.matrix import Cell, kill9, report, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AGENTS = 8
+LOSS_WINDOW_S = 1.0  # a call answered longer than this before the kill must be in the store
 
 
 class Agent(threading.Thread):
@@ -38,6 +39,7 @@ class Agent(threading.Thread):
         self.client = openai.OpenAI(base_url=f"{base}/rollouts/{rid}/v1", api_key="x", max_retries=0, timeout=10)
         self.rid, self.stop = rid, stop
         self.answered: list[str] = []  # contents the gateway answered with 200
+        self.answered_at: dict[str, float] = {}
         self.sent = 0  # HTTP attempts
         self.errors = 0
 
@@ -53,6 +55,7 @@ class Agent(threading.Thread):
                     self.errors += 1
                     time.sleep(0.05)
                     continue
+                self.answered_at[text] = time.monotonic()
                 self.answered.append(text)
                 break
 
@@ -117,11 +120,14 @@ def test_gateway_killed_under_load_and_restarted(llm_server: LLMTestServer, tmp_
                 recorded[text] = recorded.get(text, 0) + 1
     lost = answered - set(recorded)
     unanswered_recorded = set(recorded) - answered  # answered by the old gateway, the agent saw the kill
-    assert len(lost) <= 2 * AGENTS, f"{len(lost)} answered calls missing from the store"
+    answered_at = {t: at for a in agents for t, at in a.answered_at.items()}
+    ages = [killed_at - answered_at[t] for t in lost]  # how long before the kill each lost call was answered
+    assert all(age < LOSS_WINDOW_S for age in ages), f"lost calls answered {max(ages):.2f}s before the kill"
     assert all(n == 1 for t, n in recorded.items() if t not in unanswered_recorded)
     report(Cell("gateway killed under load, restarted", sent=sum(a.sent for a in agents),
                 recorded=len(recorded), lost=len(lost), recovery_s=round(recovery, 2),
-                note=f"{len(answered)} answered, {sum(a.errors for a in agents)} attempts failed while down "
+                note=f"{len(answered)} answered, the lost ones within {max(ages, default=0) * 1000:.0f} ms before "
+                     f"the kill; {sum(a.errors for a in agents)} attempts failed while down "
                      f"(retried), restart to healthy {restarted_s:.2f}s, "
                      f"{len(unanswered_recorded)} recorded but the answer never reached the agent"))
     store.close()
