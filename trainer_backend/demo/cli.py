@@ -39,15 +39,18 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--lr-end", type=float, default=d.lr_end,
                    help="learning rate reached at the end of the budget (linear decay); 0 or less: constant")
     p.add_argument("--sft-steps", type=int, default=None, help="warm-start SFT steps (default: the recipe's)")
-    p.add_argument("--model", default=None, help="start from this model folder instead of the warm start")
+    p.add_argument("--model", default=None,
+                   help="start from this model folder instead of the warm start; `smollm2`: SmolLM2-135M-Instruct "
+                        "with --task arith (demo/smol.py; --sft-steps 0: untouched, --max-steps 0: no RL)")
     p.add_argument("--threads", type=int, default=None, help="torch threads in the trainer")
     p.add_argument("--max-steps", type=int, default=None,
                    help="RL budget in steps (the lr schedule decays over it); --minutes still caps the time")
     p.add_argument("--warm-start-precision", choices=("auto", "bf16", "fp32"), default=d.warm_start_precision,
                    help="warm-start SFT precision (auto: bf16 only where the CPU computes it natively and faster)")
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy evaluations")
-    p.add_argument("--task", choices=("guess", "team"), default=d.task,
-                   help="guess: one agent; team: two LangGraph agents (scout, closer), each its own LoRA policy")
+    p.add_argument("--task", choices=("guess", "team", "arith"), default=d.task,
+                   help="guess: one agent; team: two LangGraph agents (scout, closer), each its own LoRA policy; "
+                        "arith: word problems with a calculator (--model smollm2)")
     p.add_argument("--shared-policy", action="store_true",
                    help="team: one LoRA policy for both agents (the comparison for separate policies)")
     p.set_defaults(func=run_cli)
@@ -63,7 +66,12 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.shared_policy and args.task != "team":
         print("lightning-mw demo: --shared-policy is for --task team", file=sys.stderr)
         return 2
+    smol = args.model == "smollm2"
+    if smol != (args.task == "arith"):
+        print("lightning-mw demo: --task arith goes with --model smollm2 (and smollm2 with arith)", file=sys.stderr)
+        return 2
     default_out = f"runs/demo-{args.seed}-{mode}" if args.task == "guess" else \
+        f"runs/demo-smol-arith-{args.seed}" if smol else \
         f"runs/demo-team-{'shared' if args.shared_policy else 'separate'}-{args.seed}"
     cfg = DemoConfig(out_dir=args.out or default_out, seed=args.seed, minutes=args.minutes,
                      task=args.task, shared_policy=args.shared_policy,
@@ -75,7 +83,7 @@ def run_cli(args: argparse.Namespace) -> int:
                      lr_end=args.lr_end if args.lr_end and args.lr_end > 0 else None,
                      lr_warmup_steps=max(0, args.lr_warmup_steps),
                      sft_steps=args.sft_steps, warm_start_precision=args.warm_start_precision,
-                     threads=args.threads, model_dir=args.model,
+                     threads=args.threads, model_dir=None if smol else args.model,
                      max_steps=args.max_steps, greedy=not args.no_greedy,
                      progress=sys.stderr.isatty() or os.environ.get("LIGHTNING_PROGRESS") == "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -96,7 +104,11 @@ def run_cli(args: argparse.Namespace) -> int:
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background by a shell
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        if cfg.task == "team":
+        if smol:
+            from trainer_backend.demo.smol import SmolDemoRun
+
+            run_demo(cfg, SmolDemoRun)
+        elif cfg.task == "team":
             from trainer_backend.demo.team import TeamDemoRun
 
             run_demo(cfg, TeamDemoRun)
