@@ -129,8 +129,8 @@ def _evaluate(node: ast.AST) -> int | float:
         left, right = _evaluate(node.left), _evaluate(node.right)
         if abs(left) > 1e12 or abs(right) > 1e12:  # no 10**10**10 from a sampled expression
             raise ValueError("numbers too large")
-        value: int | float = _OPS[type(node.op)](left, right)
-        return value
+        result: int | float = _OPS[type(node.op)](left, right)
+        return result
     raise ValueError("only numbers and + - * / // % are allowed")
 
 
