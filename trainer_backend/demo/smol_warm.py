@@ -46,7 +46,7 @@ def tools_model(converted: Path, out: Path) -> Path:
 
 @dataclass(frozen=True)
 class SmolWarmStart:
-    steps: int = 30
+    steps: int = 16
     batch: int = 4
     lr: float = 1e-3
     rank: int = 16
