@@ -127,3 +127,17 @@ def store(store_url: str) -> Iterator[TraceStore]:
     s = TraceStore(store_url)
     yield s
     s.close()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How many cases the fuzz tests tried (tests/fuzzing.py), by what they fuzzed."""
+    import sys
+
+    fuzzing = sys.modules.get("tests.fuzzing")
+    cases = getattr(fuzzing, "CASES", None)
+    if not cases:
+        return
+    terminalreporter.section("bad input: cases tried")
+    for what, n in sorted(cases.items()):
+        terminalreporter.write_line(f"{n:6d}  {what}")
+    terminalreporter.write_line(f"{sum(cases.values()):6d}  in all")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_middleware import fastjson
+from lightning_middleware.capture.shape import body_problem, choice_problem, chunk_problem
 from lightning_middleware.records import Choice
 
 
@@ -80,8 +81,16 @@ def _strip_token_fields(body: dict[str, Any]) -> dict[str, Any]:
 def _safe_logprobs(choice: dict[str, Any], endpoint: str) -> list[float] | None:
     try:
         return _logprobs_of(choice, endpoint)
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, AttributeError):  # a block of any shape: no logprobs
         return None
+
+
+def _aligned(logprobs: list[float] | None, ids: Any) -> list[float] | None:
+    """Logprobs only if there is one per token ID (when there are token IDs): misaligned ones
+    would pair tokens with other tokens' logprobs in training."""
+    if logprobs is None or not isinstance(ids, list) or not ids or len(logprobs) == len(ids):
+        return logprobs
+    return None
 
 
 def _choice_record(choice: dict[str, Any], position: int, endpoint: str) -> Choice | None:
@@ -91,7 +100,7 @@ def _choice_record(choice: dict[str, Any], position: int, endpoint: str) -> Choi
         ids = tuple(int(t) for t in choice.get("token_ids") or ())
     except (TypeError, ValueError):
         return None
-    lp = _safe_logprobs(choice, endpoint)
+    lp = _aligned(_safe_logprobs(choice, endpoint), list(ids))
     return Choice(index if isinstance(index, int) else position, ids, tuple(lp) if lp is not None else None,
                   choice.get("finish_reason"))
 
@@ -106,8 +115,10 @@ def _extra_choices(choices: list[Any], prompt_ids: list[int], endpoint: str) -> 
         return []
     out: dict[int, Choice] = {}
     for position, choice in enumerate(choices[1:], 1):
-        own = choice.get("prompt_token_ids") if isinstance(choice, dict) else None
-        if not isinstance(choice, dict) or (own and list(own) != prompt_ids):
+        if choice_problem(choice, endpoint, streamed=False):  # a broken choice costs only itself
+            continue
+        own = choice.get("prompt_token_ids")
+        if own and list(own) != prompt_ids:
             continue
         record = _choice_record(choice, position, endpoint)
         if record is not None and record.index > 0:  # an index repeated (a broken server): the first
@@ -122,6 +133,9 @@ def parse_body(raw: bytes, endpoint: str) -> Assembled:
         return Assembled(error=f"response is not JSON: {exc}")
     if not isinstance(body, dict):
         return Assembled(error="response JSON is not an object")
+    problem = body_problem(body, endpoint)
+    if problem:  # kept as it came, its tokens unread: a call to look at, never one to train on
+        return Assembled(response=_strip_token_fields(body), complete=True, error=f"malformed response: {problem}")
     out = Assembled(response=_strip_token_fields(body), complete=True)
     choices = body.get("choices") or []
     choices = choices if isinstance(choices, list) else []
@@ -130,7 +144,7 @@ def parse_body(raw: bytes, endpoint: str) -> Assembled:
     out.prompt_token_ids = list(prompt_ids or [])
     out.completion_token_ids = list(first.get("token_ids") or [])
     out.finish_reason = first.get("finish_reason")
-    out.logprobs = _safe_logprobs(first, endpoint)
+    out.logprobs = _aligned(_safe_logprobs(first, endpoint), out.completion_token_ids)
     out.extra_choices = _extra_choices(choices, out.prompt_token_ids, endpoint)
     return out
 
@@ -152,13 +166,20 @@ class _StreamChoice:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.has_logprobs = False
+        self.unreadable_logprobs = False
         self.finish: str | None = None
 
     def feed(self, choice: dict[str, Any]) -> None:
         if choice.get("prompt_token_ids"):
             self.prompt_ids = list(choice["prompt_token_ids"])
         self.token_ids.extend(choice.get("token_ids") or [])
-        lp = _safe_logprobs(choice, self.endpoint)  # a malformed chunk costs its logprobs, not the record
+        try:
+            lp = _logprobs_of(choice, self.endpoint)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            # A malformed block costs the choice its logprobs, not its record: the ones that came
+            # can no longer be paired with their tokens (as in a whole body, `_safe_logprobs`).
+            self.unreadable_logprobs = True
+            lp = None
         if lp is not None:
             self.has_logprobs = True
             self.logprobs.extend(lp)
@@ -208,7 +229,14 @@ class _StreamChoice:
             ids = tuple(int(t) for t in self.token_ids)
         except (TypeError, ValueError):
             return None
-        return Choice(self.index, ids, tuple(self.logprobs) if self.has_logprobs else None, self.finish)
+        lp = self.kept_logprobs()
+        return Choice(self.index, ids, tuple(lp) if lp is not None else None, self.finish)
+
+    def kept_logprobs(self) -> list[float] | None:
+        """The logprobs, if every block was readable and there is one per token."""
+        if not self.has_logprobs or self.unreadable_logprobs:
+            return None
+        return _aligned(self.logprobs, self.token_ids)
 
 
 class StreamAssembler:
@@ -222,6 +250,8 @@ class StreamAssembler:
         self._pending = b""
         self._done = False
         self._head: dict[str, Any] = {}
+        self._saw_choice = False  # a chunk with a choice came (a stream of only usage or [DONE] is no answer)
+        self._broken: set[int] = set()  # choices a malformed delta came for
         # Choice 0 always exists, so a stream that never sent a choice still records one (as before n > 1).
         self._choices: dict[int, _StreamChoice] = {0: _StreamChoice(0, endpoint)}
         self._prompt_ids: list[int] = []
@@ -246,8 +276,14 @@ class StreamAssembler:
         except ValueError:
             self._errors.append("unparseable stream chunk")
             return
-        if isinstance(chunk, dict):
-            self._chunk(chunk)
+        if not isinstance(chunk, dict):
+            self._errors.append("a stream chunk is not a JSON object")
+            return
+        problem = None if "error" in chunk and "choices" not in chunk else chunk_problem(chunk)
+        if problem:  # its tokens unread: the stream is recorded, never trained on
+            self._errors.append(f"malformed stream chunk: {problem}")
+            return
+        self._chunk(chunk)
 
     def _chunk(self, chunk: dict[str, Any]) -> None:
         if "error" in chunk and "choices" not in chunk:
@@ -260,10 +296,15 @@ class StreamAssembler:
         if chunk.get("usage"):
             self._usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
-            if not isinstance(choice, dict):
+            self._saw_choice = True
+            index = choice.get("index", 0) if isinstance(choice, dict) else 0
+            index = index if isinstance(index, int) and not isinstance(index, bool) else 0
+            problem = choice_problem(choice, self.endpoint, streamed=True)
+            if problem:  # choice 0 is the record: the stream is broken; another costs only itself
+                self._broken.add(index)
+                if index == 0:
+                    self._errors.append(f"malformed stream chunk: {problem}")
                 continue
-            index = choice.get("index", 0)
-            index = index if isinstance(index, int) else 0
             slot = self._choices.get(index)
             if slot is None:
                 slot = self._choices[index] = _StreamChoice(index, self.endpoint)
@@ -275,7 +316,7 @@ class StreamAssembler:
         if not prompt_ids:
             return []
         records = (self._choices[i].record() for i in sorted(self._choices)
-                   if i > 0 and self._choices[i].prompt_ids in ([], prompt_ids))
+                   if i > 0 and i not in self._broken and self._choices[i].prompt_ids in ([], prompt_ids))
         return [r for r in records if r is not None]
 
     def result(self) -> Assembled:
@@ -290,11 +331,13 @@ class StreamAssembler:
         if self._usage is not None:
             response["usage"] = self._usage
         prompt_ids = self._prompt_ids or first.prompt_ids
+        if not self._saw_choice and not self._errors:
+            self._errors.append("the stream carried no completion chunk")
         return Assembled(
             response=response,
             prompt_token_ids=prompt_ids,
             completion_token_ids=first.token_ids,
-            logprobs=first.logprobs if first.has_logprobs else None,
+            logprobs=first.kept_logprobs(),
             finish_reason=first.finish,
             complete=complete and not self._errors,
             error="; ".join(self._errors) or None,
@@ -329,84 +372,3 @@ class BodyCollector:
 
     def raw_text(self, limit: int = 2000) -> str:
         return b"".join(self._parts)[:limit].decode("utf-8", "replace")
-
-
-# --------------------------------------------------------------------------
-# Giving the caller the response it asked for
-# --------------------------------------------------------------------------
-
-def strip_added(obj: dict[str, Any], added: frozenset[str]) -> None:
-    """Remove from a response (or stream chunk) the fields only our injected request fields produced."""
-    if "return_token_ids" in added:
-        obj.pop("prompt_token_ids", None)
-    for choice in obj.get("choices") or ():
-        if not isinstance(choice, dict):
-            continue
-        if "return_token_ids" in added:
-            choice.pop("token_ids", None)
-            choice.pop("prompt_token_ids", None)
-        if "logprobs" in added and "logprobs" in choice:
-            choice["logprobs"] = None  # what the API sends when logprobs were not asked for
-
-
-class BodyRewriter:
-    """Buffers a JSON body and hands it back without the injected fields.
-
-    The caller's SDK reads the whole body before parsing it anyway, so holding
-    it costs no latency, and the SDK no longer parses per-token logprobs it
-    never asked for (the largest part of what asking for them costs a caller).
-    """
-
-    def __init__(self, added: frozenset[str]) -> None:
-        self._added = added
-        self._parts: list[bytes] = []
-
-    def feed(self, data: bytes) -> bytes:
-        self._parts.append(data)
-        return b""
-
-    def finish(self) -> bytes:
-        raw = b"".join(self._parts)
-        try:
-            body = fastjson.loads(raw)
-        except ValueError:
-            return raw
-        if not isinstance(body, dict):
-            return raw
-        strip_added(body, self._added)
-        return fastjson.dumps(body).encode()
-
-
-class EventRewriter:
-    """Rewrites a server-sent event stream event by event, as the events arrive."""
-
-    def __init__(self, added: frozenset[str]) -> None:
-        self._added = added
-        self._pending = b""
-        self._passthrough = False
-
-    def feed(self, data: bytes) -> bytes:
-        if self._passthrough or b"\r" in data:  # CRLF framing: pass it on untouched, never hold it back
-            self._passthrough = True
-            out, self._pending = self._pending + data, b""
-            return out
-        self._pending += data
-        head, sep, rest = self._pending.rpartition(b"\n\n")
-        if not sep:
-            return b""
-        self._pending = rest
-        return b"".join(self._event(e) for e in head.split(b"\n\n"))
-
-    def _event(self, event: bytes) -> bytes:
-        if event.startswith(b"data: {"):
-            try:
-                chunk = fastjson.loads(event[6:])
-                strip_added(chunk, self._added)
-                return b"data: " + fastjson.dumps(chunk).encode() + b"\n\n"
-            except ValueError:
-                pass
-        return event + b"\n\n"
-
-    def finish(self) -> bytes:
-        rest, self._pending = self._pending, b""
-        return rest

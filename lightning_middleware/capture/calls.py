@@ -35,6 +35,7 @@ _ENDPOINTS = (("/chat/completions", "chat.completions"), ("/completions", "compl
               ("/v1/messages", "anthropic.messages"))
 TRAINABLE_ENDPOINTS = frozenset({"chat.completions", "completions"})  # vLLM returns token IDs for these
 ROUTING_HEADERS = (ROLLOUT_HEADER, AGENT_HEADER)
+INT32_MAX = 2**31 - 1  # the store's integer columns (attempt, policy_version) are 32-bit
 _warned: set[str] = set()
 
 
@@ -160,15 +161,23 @@ class PendingCall:
         return self.state.store if self.state is not None else self.settings.store
 
     def rejected(self, status_code: int, host: str) -> bool:
-        """Did `host` answer 400 to fields we added? Then stop adding them there: the caller's
-        request is resent as written (`self.body`), and recording is never why a call fails."""
+        """Did `host` answer 400 to a request we added fields to? Then the caller's request is to
+        be resent as written (`self.body`): recording is never why a call fails."""
         if not (self.added and status_code == 400):
             return False
+        self.added = frozenset()
+        return True
+
+    def resent(self, status_code: int, host: str) -> None:
+        """The answer to the request resent as written after `rejected`. If it succeeded, the host
+        refuses our fields (not vLLM?): stop adding them there. If it failed too, the 400 was
+        about the request itself (a context too long, a bad message), and the host keeps getting
+        them: one such 400 must not end token IDs for the rest of the process."""
+        if status_code >= 400:
+            return
         self.settings.no_inject_hosts.add(host)
         _warn_once(f"reject:{host}", "%s rejected return_token_ids/logprobs (not vLLM?); sending requests "
                    "to it unchanged from now on, without token IDs", host)
-        self.added = frozenset()
-        return True
 
     def finish(self, *, status_code: int | None = None, chunks: list[bytes] | None = None,
                headers: Any = None, error: str | None = None) -> None:
@@ -198,6 +207,27 @@ class DeferredCall:
         self.latency_s = latency_s
 
     def build(self) -> LLMCall:
+        """The record; never raises (this runs on the store's writer thread, where an exception
+        would cost the record): an answer nothing could read is recorded as a failed attempt."""
+        try:
+            return self._build()
+        except Exception as exc:  # noqa: BLE001 - whatever the server sent, the attempt is recorded
+            log.warning("could not read an LLM answer (%s: %s); recording the attempt as failed",
+                        type(exc).__name__, exc)
+            return self._unreadable(f"recorder: unreadable response: {type(exc).__name__}: {exc}")
+
+    def _unreadable(self, error: str) -> LLMCall:
+        p = self.pending
+        if self.status_code is not None and not 200 <= self.status_code < 300:
+            error = f"HTTP {self.status_code}; {error}"
+        return LLMCall(id=new_id(), rollout_id=None if p.state is None else p.state.id, call_index=p.call_index,
+                       attempt=p.attempt, endpoint=p.endpoint, agent_name=p.agent_name,
+                       request=scrub_secrets(p.payload)[0], status_code=self.status_code,
+                       stream="text/event-stream" in self.content_type, error=error, latency_s=self.latency_s,
+                       started_at=p.started_at, policy_version=self.policy_version,
+                       request_hash=hashlib.sha256(p.body).hexdigest())
+
+    def _build(self) -> LLMCall:
         p = self.pending
         streaming = "text/event-stream" in self.content_type
         collector = BodyCollector(p.endpoint, streaming, self.content_encoding)
@@ -233,7 +263,7 @@ class DeferredCall:
             status_code=self.status_code,
             stream=streaming,
             partial=ok and not a.complete,
-            is_training=ok and a.complete and has_ids and trainable,
+            is_training=ok and a.complete and has_ids and trainable and a.error is None,
             error=error or a.error,
             latency_s=self.latency_s,
             started_at=p.started_at,
@@ -276,11 +306,13 @@ def request_state(settings: CaptureSettings, request: Any) -> RolloutState | Non
 
 
 def attempt_of(headers: Any) -> int:
-    """Which attempt of a call this request is (the SDKs count their retries in a header)."""
+    """Which attempt of a call this request is (the SDKs count their retries in a header), within
+    what the store's integer column holds: the header is whatever the client sent."""
     try:
-        return int(headers.get("x-stainless-retry-count", "0")) + 1
+        retries = int(headers.get("x-stainless-retry-count", "0"))
     except ValueError:
         return 1
+    return min(max(retries, 0), INT32_MAX - 1) + 1
 
 
 def begin_call(settings: CaptureSettings, endpoint: str, payload: dict[str, Any], body: bytes,
@@ -341,8 +373,11 @@ def _splice(body: bytes, payload: dict[str, Any], additions: dict[str, Any]) -> 
 
 
 def _policy_version_of(headers: Any) -> int | None:
+    """The version a gateway upstream stamped; a header that is no version (the store's column is a
+    32-bit integer) is none."""
     value = None if headers is None else headers.get("x-lightning-policy-version")
     try:
-        return int(value) if value is not None else None
+        version = int(value) if value is not None else None
     except ValueError:
         return None
+    return version if version is not None and 0 <= version <= INT32_MAX else None

@@ -32,8 +32,8 @@ import types
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from lightning_middleware.capture.assembly import BodyRewriter, EventRewriter
 from lightning_middleware.capture.calls import ROUTING_HEADERS, CaptureSettings, PendingCall, begin_request
+from lightning_middleware.capture.rewriting import BodyRewriter, EventRewriter
 from lightning_middleware.capture.translation import Outgoing, format_to_translate, translate_outgoing
 
 log = logging.getLogger(__name__)
@@ -58,13 +58,16 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
 
         def __iter__(self) -> Iterator[bytes]:
             rw = self._rw
-            for chunk in self._inner:
-                self._chunks.append(chunk)
-                out = chunk if rw is None else rw.feed(chunk)
-                if out:
-                    yield out
-            if rw is not None and (tail := rw.finish()):
-                yield tail
+            try:
+                for chunk in self._inner:
+                    self._chunks.append(chunk)
+                    out = chunk if rw is None else rw.feed(chunk)
+                    if out:
+                        yield out
+                if rw is not None and (tail := rw.finish()):
+                    yield tail
+            finally:  # read to the end, or let go unclosed (an SDK that raised mid-stream): recorded now
+                self._on_close()
 
         def close(self) -> None:
             try:
@@ -78,13 +81,16 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
 
         async def __aiter__(self) -> AsyncIterator[bytes]:
             rw = self._rw
-            async for chunk in self._inner:
-                self._chunks.append(chunk)
-                out = chunk if rw is None else rw.feed(chunk)
-                if out:
-                    yield out
-            if rw is not None and (tail := rw.finish()):
-                yield tail
+            try:
+                async for chunk in self._inner:
+                    self._chunks.append(chunk)
+                    out = chunk if rw is None else rw.feed(chunk)
+                    if out:
+                        yield out
+                if rw is not None and (tail := rw.finish()):
+                    yield tail
+            finally:  # as in TeeStream
+                self._on_close()
 
         async def aclose(self) -> None:
             try:
@@ -170,7 +176,8 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
         return None
 
     def rejected_injection(pending: PendingCall, request: Any, response: Any) -> bool:
-        """A 400 to a request we changed: resend it as the caller wrote it, and stop changing that host's."""
+        """A 400 to a request we changed: resend it as the caller wrote it (`PendingCall.resent` then
+        decides whether that host's requests stay unchanged)."""
         if not pending.rejected(response.status_code, request.url.host):
             return False
         set_body(request, pending.body)
@@ -193,6 +200,7 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
                 if pending is not None and rejected_injection(pending, request, response):
                     response.close()
                     response = self.inner.handle_request(request)
+                    pending.resent(response.status_code, request.url.host)
             except Exception as exc:
                 if pending is not None:
                     pending.finish(error=f"{type(exc).__name__}: {exc}")
@@ -219,6 +227,7 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
                 if pending is not None and rejected_injection(pending, request, response):
                     await response.aclose()
                     response = await self.inner.handle_async_request(request)
+                    pending.resent(response.status_code, request.url.host)
             except BaseException as exc:  # CancelledError too: the attempt is recorded as failed
                 if pending is not None:
                     pending.finish(error=f"{type(exc).__name__}: {exc}")

@@ -8,7 +8,8 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from lightning_middleware.gateway.errors import HTTPError, error_reply
-from lightning_middleware.gateway.requests import parse_object, proxy_route, receive_body
+from lightning_middleware.gateway.registry import check_rollout_id
+from lightning_middleware.gateway.requests import check_headers, parse_object, proxy_route, receive_body
 from lightning_middleware.gateway.responses import Receive, Scope, Send
 from lightning_middleware.records import Rollout, RolloutStatus
 
@@ -16,6 +17,10 @@ if TYPE_CHECKING:  # the gateway builds its app: a type-only import keeps the ar
     from starlette.applications import Starlette
 
     from lightning_middleware.gateway.service import Gateway
+
+
+MAX_WAIT_S = 86_400  # the longest a pause may wait to drain (asyncio's timers overflow on absurd ones)
+MAX_INT32 = 2**31 - 1
 
 
 class GatewayApp:
@@ -31,6 +36,11 @@ class GatewayApp:
         # Only `proxy_route` paths are served here: the security tests walk `proxy_paths()` and
         # `router.routes` and check each route's token rule, so a new route belongs in one of them.
         if scope["type"] == "http":
+            try:
+                check_headers(scope["headers"], self.gateway.max_header_bytes)
+            except HTTPError as exc:
+                await exc.reply()(scope, receive, send)
+                return
             route = proxy_route(scope["path"])
             if route is not None:
                 if scope["method"] == "POST":
@@ -93,6 +103,7 @@ def build_routes(gw: Gateway) -> Starlette:
 
     async def get_rollout(request: Request) -> Any:
         rid = request.path_params["rid"]
+        check_rollout_id(rid)  # an id no rollout can have is never looked up (PostgreSQL refuses a NUL)
         stored = await asyncio.to_thread(gw.store.get_rollout, rid)
         if stored is None:
             raise HTTPError(404, f"no rollout {rid!r}", code="rollout_not_found")
@@ -117,16 +128,16 @@ def build_routes(gw: Gateway) -> Starlette:
     async def pause(request: Request) -> Any:
         body = await json_body(request, optional=True)
         timeout = body.get("timeout", 60.0)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
-            raise HTTPError(400, "timeout must be a non-negative number of seconds")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= MAX_WAIT_S:
+            raise HTTPError(400, f"timeout must be a number of seconds from 0 to {MAX_WAIT_S}")
         return JSONResponse(await gw.apause(wait=bool(body.get("wait", True)), timeout=float(timeout),
                                             mode=body.get("mode")))
 
     async def resume(request: Request) -> Any:
         body = await json_body(request, optional=True)
         pv = body.get("policy_version")
-        if pv is not None and (isinstance(pv, bool) or not isinstance(pv, int)):
-            raise HTTPError(400, "policy_version must be an integer")
+        if pv is not None and (isinstance(pv, bool) or not isinstance(pv, int) or not 0 <= pv <= MAX_INT32):
+            raise HTTPError(400, f"policy_version must be an integer from 0 to {MAX_INT32}")  # the store's column
         return JSONResponse(await gw.aresume(policy_version=pv))
 
     async def state(_request: Request) -> Any:
@@ -167,5 +178,6 @@ def build_routes(gw: Gateway) -> Starlette:
         *_review_routes(gw),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: bad_method})
+    app.router.redirect_slashes = False  # "/rollouts/" is a JSON 404, not a redirect to another route
     app.state.gateway = gw
     return app

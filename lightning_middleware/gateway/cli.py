@@ -26,7 +26,9 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--token", default=None, help=f"bearer token clients must send (or set ${TOKEN_ENV})")
     p.add_argument("--upstream-api-key", default=None,
                    help="key sent to the upstreams (or $LIGHTNING_UPSTREAM_API_KEY)")
-    p.add_argument("--max-body-mb", type=float, default=16.0, help="request body size limit (default 16)")
+    p.add_argument("--max-body-mb", type=float, default=16.0, help="request body size limit (default 16; 413 over it)")
+    p.add_argument("--max-header-kb", type=float, default=64.0,
+                   help="request headers size limit, all of them together (default 64; 431 over it)")
     p.add_argument("--pause-mode", choices=("wait", "reject"), default="wait",
                    help="while paused, new calls wait (up to --pause-wait) or get 429 at once")
     p.add_argument("--pause-wait", type=float, default=30.0, help="seconds a call waits out a pause before 429")
@@ -69,7 +71,8 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         gw = Gateway(args.upstream, args.store, host=args.host, port=args.port, token=token,
                      upstream_api_key=args.upstream_api_key or os.environ.get("LIGHTNING_UPSTREAM_API_KEY"),
-                     max_body_bytes=int(args.max_body_mb * 1024 * 1024), pause_mode=args.pause_mode,
+                     max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+                     max_header_bytes=int(args.max_header_kb * 1024), pause_mode=args.pause_mode,
                      pause_wait_s=args.pause_wait, upstream_timeout_s=args.upstream_timeout,
                      health_interval_s=args.health_interval, retry_window_s=args.retry_window,
                      policy_version=args.policy_version, record_unattached=not args.no_record_unattached,

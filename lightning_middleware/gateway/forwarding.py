@@ -121,6 +121,7 @@ class Forwarder:
                     response.release()  # resend as the caller wrote it
                     response = await session.post(url, data=raw, headers=out, allow_redirects=False,
                                                         timeout=self.call_timeout)
+                    pending.resent(response.status, up.host)
             except BaseException as exc:  # CancelledError too: the attempt is recorded as failed
                 if pending is not None:
                     pending.finish(error=f"{failure_name(exc)}: {exc}")

@@ -18,7 +18,7 @@ from typing import Any
 
 from lightning_middleware.capture import RolloutState
 from lightning_middleware.gateway.errors import HTTPError
-from lightning_middleware.gateway.requests import ID_RE
+from lightning_middleware.gateway.requests import is_rollout_id
 from lightning_middleware.records import Mode, Reward, Rollout, RolloutStatus
 from lightning_middleware.rewards import Scorer
 from lightning_middleware.rewards.config import AGENT
@@ -67,8 +67,7 @@ class RolloutRegistry:
         """The open rollout a call or request names (loaded from the store after a restart)."""
         entry = self._open.get(rollout_id)
         if entry is None:
-            if not ID_RE.match(rollout_id):
-                raise HTTPError(400, "rollout ids are 1-64 characters of A-Z a-z 0-9 . _ : -", code="bad_rollout_id")
+            check_rollout_id(rollout_id)
             stored = await asyncio.to_thread(self.store.get_rollout, rollout_id)
             if stored is None:
                 raise HTTPError(404, f"no rollout {rollout_id!r}: create it first with POST /rollouts",
@@ -91,13 +90,13 @@ class RolloutRegistry:
 
     async def create(self, body: dict[str, Any], policy_version: int | None) -> tuple[Rollout, bool]:
         task_id = body.get("task_id")
-        if not isinstance(task_id, str) or not task_id or len(task_id) > 255:
-            raise HTTPError(400, "task_id (a non-empty string, at most 255 characters) is required", code="bad_task_id")
+        if not short_text(task_id) or not task_id:
+            raise HTTPError(400, "task_id (a non-empty string, at most 255 characters, no NUL) is required",
+                            code="bad_task_id")
         rid = body.get("id") if body.get("id") is not None else body.get("rollout_id")
         if rid is None:
             rid = uuid.uuid4().hex
-        if not isinstance(rid, str) or not ID_RE.match(rid):
-            raise HTTPError(400, "id must be 1-64 characters of A-Z a-z 0-9 . _ : -", code="bad_rollout_id")
+        check_rollout_id(rid)
         mode = body.get("mode", Mode.TRAIN.value)
         if mode not in (Mode.TRAIN.value, Mode.VAL.value):
             raise HTTPError(400, f"mode must be 'train' or 'val', got {mode!r}", code="bad_mode")
@@ -132,8 +131,8 @@ class RolloutRegistry:
         if status not in (RolloutStatus.SUCCEEDED.value, RolloutStatus.FAILED.value, RolloutStatus.TIMEOUT.value):
             raise HTTPError(400, "status must be 'succeeded', 'failed' or 'timeout'", code="bad_status")
         error = body.get("error")
-        if error is not None and not isinstance(error, str):
-            error = json.dumps(error)[:4000]
+        if error is not None:  # kept, however it came: a failure's message is worth more than its form
+            error = (error if isinstance(error, str) else json.dumps(error))[:4000].replace("\x00", "\ufffd")
         entry = await self.entry(rollout_id, for_call=False)
         if entry.finished:
             stored = await asyncio.to_thread(self.store.get_rollout, rollout_id)
@@ -173,22 +172,25 @@ def reward_from(rollout_id: str, body: dict[str, Any], *, scorer: Scorer | None 
     `call_index` (a per-step reward), `agent` (one agent's reward: never the rollout's final
     reward); with a reward configuration, an input of its components."""
     value = body.get("value", body.get("reward"))
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise HTTPError(400, f"reward value must be a finite number, got {value!r}", code="bad_reward")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        raise HTTPError(400, f"reward value must be a finite number, got {repr(value)[:100]}", code="bad_reward")
     metadata = body.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise HTTPError(400, "metadata must be an object", code="bad_metadata")
     call_index = body.get("call_index")
-    if call_index is not None and (isinstance(call_index, bool) or not isinstance(call_index, int) or call_index < 0):
-        raise HTTPError(400, f"call_index must be a call's index (an integer >= 0), got {call_index!r}",
+    if call_index is not None and (isinstance(call_index, bool) or not isinstance(call_index, int)
+                                   or not 0 <= call_index <= MAX_INT32):  # the store's column is 32-bit
+        raise HTTPError(400, f"call_index must be a call's index (an integer >= 0), got {repr(call_index)[:100]}",
                         code="bad_call_index")
     if call_index is not None and body.get("final"):
         raise HTTPError(400, "a per-step reward (call_index) cannot be final", code="bad_call_index")
     agent = body.get("agent")
-    if agent is not None and (not isinstance(agent, str) or not agent.strip() or len(agent) > 128):
-        raise HTTPError(400, f"agent must be an agent's name (a string of 1 to 128 characters), got {agent!r}",
-                        code="bad_agent")
-    name = str(body["name"]) if body.get("name") is not None else None
+    if agent is not None and (not short_text(agent, 128) or not agent.strip()):
+        raise HTTPError(400, f"agent must be an agent's name (a string of 1 to 128 characters, no NUL), "
+                        f"got {repr(agent)[:150]}", code="bad_agent")
+    name = body.get("name")
+    if name is not None and not short_text(name):
+        raise HTTPError(400, "a reward's name must be a string of at most 255 characters, no NUL", code="bad_reward")
     final = call_index is None and bool(body.get("final", True))
     if scorer is not None and call_index is None and agent is None:
         name, final = name or AGENT, False
@@ -196,3 +198,18 @@ def reward_from(rollout_id: str, body: dict[str, Any], *, scorer: Scorer | None 
         metadata = {**metadata, "late": True}
     return Reward(rollout_id=rollout_id, value=float(value), name=name, final=final, created_at=time.time(),
                   metadata=metadata, call_index=call_index, agent=agent)
+
+
+MAX_INT32 = 2**31 - 1
+
+
+def check_rollout_id(rid: object) -> None:
+    if not is_rollout_id(rid):
+        raise HTTPError(400, "a rollout id is 1-64 characters of A-Z a-z 0-9 . _ : -, not only dots",
+                        code="bad_rollout_id")
+
+
+def short_text(value: object, limit: int = 255) -> bool:
+    """A string the store's short text columns hold on every database (PostgreSQL: no NUL, the
+    column's length)."""
+    return isinstance(value, str) and len(value) <= limit and "\x00" not in value

@@ -13,7 +13,30 @@ from lightning_middleware.gateway.errors import HTTPError
 from lightning_middleware.gateway.responses import Receive
 
 MAX_DEPTH = 1024  # JSON nesting orjson accepts; deeper bodies get a 400
-ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,64}$")  # rollout ids: safe in a URL path and a log line
+# Rollout ids: safe in a URL path and a log line. Not only dots: "." and ".." are dot segments,
+# which a client's URL handling removes from a per-rollout base URL (the calls would go unattached).
+ID_RE = re.compile(r"(?!\.+\Z)[A-Za-z0-9._:\-]{1,64}\Z")
+# RFC 9110: a field name is a token; a value is visible ASCII, space, tab and obs-text (0x80-0xff).
+# The proxy passes the caller's headers on: CR/LF (header injection), NUL and other controls never go.
+HEADER_NAME_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+HEADER_VALUE_RE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
+
+
+def is_rollout_id(value: object) -> bool:
+    return isinstance(value, str) and ID_RE.match(value) is not None
+
+
+def check_headers(headers: list[tuple[bytes, bytes]], limit: int) -> None:
+    """A 431 for headers over `limit` bytes in all (uvicorn's httptools parser has no limit of its
+    own), a 400 for a name that is no token or a value with control characters."""
+    size = 0
+    for name, value in headers:
+        size += len(name) + len(value) + 4  # ": " and CRLF, as on the wire
+        if not (HEADER_NAME_RE.fullmatch(name) and HEADER_VALUE_RE.fullmatch(value)):
+            raise HTTPError(400, f"invalid header {name[:64]!r}: a name must be an HTTP token and a value must "
+                            "not hold control characters (CR, LF, NUL, ...)", code="bad_header")
+    if size > limit:
+        raise HTTPError(431, f"request headers are {size} bytes; the limit is {limit}", code="headers_too_large")
 
 
 async def receive_body(receive: Receive, headers: Mapping[str, str], limit: int) -> bytes:
@@ -46,21 +69,35 @@ def check_declared(declared: str | None, limit: int) -> None:
 
 
 def parse_object(raw: bytes) -> dict[str, Any]:
-    """A JSON object from a request body (orjson; the standard library only for what orjson
-    rejects, e.g. integers beyond 64 bits), or a 400."""
+    """A JSON object from a request body, or a 400. JSON as RFC 8259 has it, which is what orjson
+    reads: UTF-8 only, no NaN/Infinity, no lone surrogate (the store, PostgreSQL's json above all,
+    could not keep the request as sent, and vLLM's reading of a NaN is anyone's guess)."""
     try:
         payload = fastjson.loads(raw)
     except ValueError as exc:
-        if "depth limit" in str(exc):  # orjson stops at 1024 levels; the stdlib would overflow the stack
-            raise HTTPError(400, f"request body is nested more than {MAX_DEPTH} levels deep",
-                            code="invalid_json") from None
-        try:
-            payload = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc2:
-            raise HTTPError(400, f"request body is not valid JSON: {exc2}", code="invalid_json") from None
+        payload = _beyond_orjson(raw, str(exc))
     if not isinstance(payload, dict):
         raise HTTPError(400, "request body must be a JSON object", code="invalid_json")
     return payload
+
+
+def _beyond_orjson(raw: bytes, why: str) -> Any:
+    """What orjson refused: a 400, except integers beyond 64 bits (older orjson refuses those; the
+    standard library reads them, held to the same rules: strict UTF-8, no NaN/Infinity)."""
+    if "depth limit" in why:  # orjson stops at 1024 levels; the stdlib would overflow the stack
+        raise HTTPError(400, f"request body is nested more than {MAX_DEPTH} levels deep", code="invalid_json")
+    if "64-bit" not in why:
+        raise HTTPError(400, f"request body is not valid JSON: {why}", code="invalid_json")
+    try:
+        payload = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        json.dumps(payload, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape raises
+        return payload
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise HTTPError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 # (path suffix, upstream path). Responses and Anthropic Messages are translated to chat completions

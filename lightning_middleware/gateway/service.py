@@ -86,6 +86,7 @@ class Gateway:
         token: str | None = None,
         upstream_api_key: str | None = None,
         max_body_bytes: int = 16 * 1024 * 1024,
+        max_header_bytes: int = 64 * 1024,
         pause_mode: str = "wait",
         pause_wait_s: float = 30.0,
         retry_after_s: int = 2,
@@ -116,13 +117,13 @@ class Gateway:
             raise GatewayConfigError(
                 f"refusing to listen on {host} without a bearer token: pass --token (or set {TOKEN_ENV}), "
                 "or bind 127.0.0.1")
-        if max_body_bytes <= 0:
-            raise GatewayConfigError("max_body_bytes must be positive")
+        if max_body_bytes <= 0 or max_header_bytes <= 0:
+            raise GatewayConfigError("max_body_bytes and max_header_bytes must be positive")
         self.pool = UpstreamPool(upstreams, health_timeout_s=health_timeout_s)
         self.store = get_store(store)
         self.host, self.port, self.token = host, port, token
         self.upstream_api_key = upstream_api_key
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes, self.max_header_bytes = max_body_bytes, max_header_bytes
         self.connect_timeout_s, self.upstream_timeout_s = connect_timeout_s, upstream_timeout_s
         self.health_interval_s = health_interval_s
         self.record_unattached = record_unattached

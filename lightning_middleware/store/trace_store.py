@@ -22,6 +22,7 @@ from sqlalchemy import exc as sa_exc
 from lightning_middleware.records import EvalResult, LLMCall, PolicyVersion, Reward, Rollout, RolloutStatus
 from lightning_middleware.store import mapping as M
 from lightning_middleware.store import schema as S
+from lightning_middleware.store.checkpoint import Checkpointer
 from lightning_middleware.store.connect import (
     StoreError,
     default_store_url,
@@ -84,6 +85,7 @@ class TraceStore(StoreQueries, RewardOps, TrainerOps):
         self._writer_interval_s = writer_interval_s
         self._max_buffer = max_buffer
         self._writer: BatchWriter | None = None
+        self._checkpointer: Checkpointer | None = None
         self._writer_lock = threading.Lock()
 
     @property
@@ -126,6 +128,9 @@ class TraceStore(StoreQueries, RewardOps, TrainerOps):
         if self._writer is None:
             with self._writer_lock:
                 if self._writer is None:
+                    path = sqlite_file(self.url)
+                    if path is not None:  # started before the writer: its first batch may kick it
+                        self._checkpointer = Checkpointer(path)
                     self._writer = BatchWriter(
                         self._apply_ops, is_transient=is_transient,
                         interval_s=self._writer_interval_s, max_buffer=self._max_buffer,
@@ -161,6 +166,9 @@ class TraceStore(StoreQueries, RewardOps, TrainerOps):
         if self._writer is not None:
             self._writer.close(timeout)
             self._writer = None
+        if self._checkpointer is not None:
+            self._checkpointer.close(timeout)
+            self._checkpointer = None
         self.engine.dispose()
 
     def _apply_ops(self, ops: Sequence[Op]) -> None:
@@ -197,6 +205,8 @@ class TraceStore(StoreQueries, RewardOps, TrainerOps):
                     set_final_reward(conn, rid, values["final_reward"])
                 else:
                     conn.execute(sa.update(S.rollouts).where(S.rollouts.c.id == rid).values(**values))
+        if self._checkpointer is not None:  # committed: its pages go into the database in the background
+            self._checkpointer.kick()
 
     def _insert_calls(self, conn: sa.Connection, calls: Sequence[LLMCall]) -> None:
         """The hot path of ingestion: driver-level bulk insert (COPY on PostgreSQL).

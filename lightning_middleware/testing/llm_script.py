@@ -269,6 +269,91 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> Sc
     return ScriptedReply(status, {"error": {"message": message, "type": kind}})
 
 
+_NUMBER = (int, float)
+# The JSON types each request field takes (null, too: every field is optional), as vLLM's request
+# validation checks them: a field of another type is a 400 there, so it is one here, not a crash.
+REQUEST_FIELDS: dict[str, tuple[type, ...]] = {
+    "model": (str,), "messages": (list,), "prompt": (str, list), "max_tokens": (int,),
+    "max_completion_tokens": (int,), "temperature": _NUMBER, "top_p": _NUMBER, "n": (int,), "stream": (bool,),
+    "stream_options": (dict,), "stop": (str, list), "tools": (list,), "tool_choice": (str, dict), "seed": (int,),
+    "return_token_ids": (bool,), "user": (str,), "response_format": (dict,), "presence_penalty": _NUMBER,
+    "frequency_penalty": _NUMBER, "parallel_tool_calls": (bool,), "top_logprobs": (int,),
+}
+_CHAT_ONLY = frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls", "max_completion_tokens",
+                        "response_format", "top_logprobs"})
+
+
+def request_fields(chat: bool) -> dict[str, tuple[type, ...]]:
+    """The fields an endpoint reads and their types (another endpoint's fields are ignored there, as
+    vLLM ignores unknown fields); `logprobs` is a flag in chat, a count in legacy completions."""
+    skip = {"prompt"} if chat else _CHAT_ONLY
+    fields = {k: v for k, v in REQUEST_FIELDS.items() if k not in skip}
+    fields["logprobs"] = (bool,) if chat else (int,)
+    return fields
+
+
+def _typed(value: Any, types: tuple[type, ...]) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, bool):  # JSON true/false are not numbers
+        return bool in types
+    return isinstance(value, types)
+
+
+def request_problem(body: dict[str, Any], chat: bool) -> str | None:
+    """What is wrong with a request's shape (None: nothing), as far as this server reads it."""
+    fields = request_fields(chat)
+    for name, value in body.items():
+        types = fields.get(name)
+        if types is not None and not _typed(value, types):
+            return f"{name} must be of type {'/'.join(t.__name__ for t in types)}"
+    if not chat:
+        return _prompt_problem(body.get("prompt"))
+    for i, m in enumerate(body.get("messages") or ()):
+        problem = _message_problem(m)
+        if problem:
+            return f"messages[{i}]: {problem}"
+    for tool in body.get("tools") or ():
+        if not isinstance(tool, dict) or not isinstance(tool.get("function", {}), dict):
+            return "tools must be objects with a function object"
+    return None
+
+
+def _prompt_problem(prompt: Any) -> str | None:
+    if isinstance(prompt, list) and not (prompt and (isinstance(prompt[0], str) or _token_ids(prompt))):
+        return "prompt must be a string, a list of strings, or token IDs in the vocabulary (0..255)"
+    return None
+
+
+def _message_problem(m: Any) -> str | None:
+    if not isinstance(m, dict):
+        return "a message must be an object"
+    if not _typed(m.get("role"), (str,)) or not _typed(m.get("content"), (str, list)):
+        return "role must be a string, content a string or a list of parts"
+    content = m.get("content")
+    parts: list[Any] = content if isinstance(content, list) else []
+    if any(isinstance(p, dict) and not _typed(p.get("text"), (str,)) for p in parts):
+        return "a content part's text must be a string"
+    calls = m.get("tool_calls")
+    if not _typed(calls, (list,)) or any(not isinstance(tc, dict) or not isinstance(tc.get("function", {}), dict)
+                                        for tc in calls or ()):
+        return "tool_calls must be a list of objects with a function object"
+    return None
+
+
+def _token_ids(prompt: list[Any]) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 256 for t in prompt)
+
+
+def _header_number(headers: Mapping[str, str], name: str) -> float:
+    """A test hook's number; an unreadable one is no hook (a fuzzed header must not crash the server)."""
+    try:
+        value = float(headers.get(name, "0"))
+    except ValueError:
+        return 0.0
+    return value if 0 <= value < 1e6 else 0.0
+
+
 def reply(path: str, headers: Mapping[str, str], raw: bytes) -> ScriptedReply:
     """The answer to a POST of `raw` to a completions route (`headers` with lower-case names)."""
     try:
@@ -277,12 +362,13 @@ def reply(path: str, headers: Mapping[str, str], raw: bytes) -> ScriptedReply:
         return _error(400, "invalid JSON")
     if not isinstance(body, dict):
         return _error(400, "the body must be a JSON object")
-    messages = body.get("messages")
-    if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
-        return _error(400, "messages must be a list of objects")  # as vLLM's request validation answers
+    chat = path.endswith("/chat/completions")
+    problem = None if path.endswith("/responses") else request_problem(body, chat)
+    if problem:
+        return _error(400, problem)  # as vLLM's request validation answers
     if headers.get("x-test-strict") and set(body) - _KNOWN_FIELDS:
         return _error(400, f"unknown fields {sorted(set(body) - _KNOWN_FIELDS)}")
-    fail_times = int(headers.get("x-test-fail-times", "0"))
+    fail_times = int(_header_number(headers, "x-test-fail-times"))
     if fail_times:
         key = hashlib.sha256(raw).hexdigest()
         if _fail_counts[key] < fail_times:
@@ -291,12 +377,11 @@ def reply(path: str, headers: Mapping[str, str], raw: bytes) -> ScriptedReply:
     seen = {"x-test-received-headers": ",".join(sorted(headers.keys()))}
     if path.endswith("/responses"):
         return ScriptedReply(200, _responses_response(body), headers=seen)
-    chat = path.endswith("/chat/completions")
     if not body.get("stream"):
         return ScriptedReply(200, _chat_response(body) if chat else _completion_response(body), headers=seen)
     events = tuple(f"data: {json.dumps(c)}\n\n".encode() for c in _stream_chunks(body, chat))
     return ScriptedReply(200, events=events + (b"data: [DONE]\n\n",), headers=seen,
-                         delay_s=float(headers.get("x-test-delay", "0")))
+                         delay_s=_header_number(headers, "x-test-delay"))
 
 
 def tokenize_reply(raw: bytes) -> dict[str, Any]:

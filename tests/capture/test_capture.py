@@ -282,6 +282,22 @@ def test_server_rejecting_extra_fields_never_fails_the_call(store: TraceStore) -
     assert len(calls) == 2 and all(c.status_code == 200 and not c.is_training for c in calls)
 
 
+def test_a_400_about_the_request_itself_keeps_token_ids_for_later_calls(store: TraceStore) -> None:
+    """A 400 that the request as written gets too (a context too long, a bad field of the agent's
+    own) is the agent's error, raised as usual; the host is not taken for one that refuses our
+    fields, so later calls still carry token IDs and train."""
+    client = _client(store)
+    with rollout("bad-then-good", store=store) as r:
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="m", messages=MSGS, extra_body={"bogus_field": 1},
+                                           extra_headers={"x-test-strict": "1"})
+        good = client.chat.completions.create(model="m", messages=MSGS)
+    assert good.choices[0].message.content == "echo: what is 2+2?"
+    bad, last = store.calls(r.id)[0], store.calls(r.id)[-1]
+    assert bad.status_code == 400 and not bad.is_training
+    assert last.status_code == 200 and last.is_training and last.completion_token_ids
+
+
 def test_connection_errors_are_recorded_and_raised_as_usual(store: TraceStore) -> None:
     from lightning_middleware.testing import free_port
 

@@ -95,9 +95,14 @@ def test_cli_registers_demo() -> None:
 
     args = build_parser().parse_args(["demo", "--sync", "--minutes", "1", "--seed", "3"])
     assert args.sync and args.minutes == 1 and args.seed == 3 and args.func.__name__ == "run_cli"
-    assert args.lr == 3e-4 and args.lr_end == 1e-4 and args.lr_warmup_steps == 10  # the recipe
+    from trainer_backend.demo.cli import config_from
+
+    cfg = config_from(args)
+    assert cfg.lr == 3e-4 and cfg.lr_end == 1e-4 and cfg.lr_warmup_steps == 10  # the recipe
     assert args.dual_clip == 3.0
-    assert build_parser().parse_args(["demo", "--lr-end", "0"]).lr_end == 0  # 0: constant lr
+    assert config_from(build_parser().parse_args(["demo", "--lr-end", "0"])).lr_end is None  # 0: constant lr
+    team = config_from(build_parser().parse_args(["demo", "--task", "team"]))
+    assert (team.lr, team.lr_end, team.task) == (2e-3, 1e-3, "team")  # LoRA adapters' recipe
 
 
 @pytest.mark.slow

@@ -139,3 +139,16 @@ def test_tools_model_links_weights_and_writes_the_template(tmp_path: Path) -> No
     assert all((out / n).is_symlink() and (out / n).read_text() == n for n in MODEL_FILES)
     assert (out / "chat_template.jinja").read_text() == SMOLLM2_TOOLS_TEMPLATE
     assert tools_model(src, out) == out  # idempotent
+
+
+def test_cli_takes_smollm2_with_arith_only() -> None:
+    from lightning_middleware.cli import build_parser
+    from trainer_backend.demo.cli import config_from, run_cli
+
+    args = build_parser().parse_args(["demo", "--model", "smollm2", "--task", "arith", "--lora-rank", "16"])
+    cfg = config_from(args)
+    assert cfg.model_dir is None and cfg.task == "arith" and cfg.extra == {"lora_rank": 16}
+    assert cfg.out_dir == "runs/demo-smol-arith-0"
+    assert config_from(build_parser().parse_args(["demo", "--model", "smollm2", "--task", "arith"])).extra == {}
+    assert run_cli(build_parser().parse_args(["demo", "--task", "arith"])) == 2  # arith needs smollm2
+    assert run_cli(build_parser().parse_args(["demo", "--model", "smollm2"])) == 2  # and smollm2 arith

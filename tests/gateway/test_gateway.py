@@ -263,7 +263,7 @@ def test_clear_json_errors(gw_lite: Gateway) -> None:
                    json={"model": "m", "messages": [{"role": "user", "content": "x" * 70000}]}), 413, "body_too_large")
     err(httpx.post(base + f"/rollouts/{rid}/reward", json={"value": "high"}), 400, "bad_reward")
     err(httpx.post(base + f"/rollouts/{rid}/reward", json={"value": True}), 400, "bad_reward")
-    err(httpx.post(base + f"/rollouts/{rid}/reward", content=b'{"value": NaN}'), 400, "bad_reward")
+    err(httpx.post(base + f"/rollouts/{rid}/reward", content=b'{"value": NaN}'), 400, "invalid_json")  # not JSON
     err(httpx.post(base + f"/rollouts/{rid}/finish", json={"status": "great"}), 400, "bad_status")
     assert httpx.post(base + f"/rollouts/{rid}/fail", json={"error": "tool crashed"}).json()["status"] == "failed"
     assert httpx.post(base + f"/rollouts/{rid}/fail", json={"error": "tool crashed"}).status_code == 200  # retried
@@ -640,9 +640,13 @@ def test_upstream_client_errors_pass_through(gw_lite: Gateway, sqlite_store: Tra
     r = httpx.post(gw_lite.rollout_base_url(rid) + "/chat/completions",
                    json={"model": "m", "messages": MSGS, "bogus_field": 1}, headers={"x-test-strict": "1"})
     assert r.status_code == 400 and "unknown fields" in r.json()["error"]["message"]  # vLLM's own 4xx, as sent
+    # the agent's own 400 is not taken for a refusal of the injected fields: later calls train
+    ok = httpx.post(gw_lite.rollout_base_url(rid) + "/chat/completions", json={"model": "m", "messages": MSGS})
+    assert ok.status_code == 200
     _finish(gw_lite, rid)
     calls = sqlite_store.calls(rid)
-    assert calls and all(c.status_code == 400 and not c.is_training for c in calls)
+    assert [c.status_code for c in calls] == [400, 200]
+    assert not calls[0].is_training and calls[1].is_training and calls[1].completion_token_ids
 
 
 def test_upstream_rejecting_the_injected_fields_never_fails_the_call(gw_lite: Gateway,

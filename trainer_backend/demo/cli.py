@@ -15,6 +15,10 @@ from trainer_backend.algorithms.registry import ALGORITHMS
 from trainer_backend.demo.report import plot_curve
 from trainer_backend.demo.run import DemoConfig, run_demo
 
+# The team task trains LoRA adapters (rank 16, alpha 16): they take a higher lr than the whole
+# model (docs/policies.md has the runs).
+TEAM_LR = (2e-3, 1e-3)
+
 
 def add_cli(sub: Any) -> None:
     p = sub.add_parser("demo", help="train a small LangChain tool agent with RL on CPU (vLLM + store + trainer)",
@@ -30,14 +34,16 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--group-size", type=int, default=d.group_size)
     p.add_argument("--groups-in-flight", type=int, default=d.groups_in_flight)
     p.add_argument("--max-staleness", type=int, default=d.max_staleness)
-    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (default {d.lr:g}; the team task's LoRA adapters: {TEAM_LR[0]:g})")
     p.add_argument("--algo", choices=ALGORITHMS, default=d.algo,
                    help="the RL algorithm (docs/trainer.md, choosing and tuning)")
     p.add_argument("--dual-clip", type=float, default=d.dual_clip,
                    help="PPO dual clip c (> 1) for negative advantages; 0 turns it off")
     p.add_argument("--lr-warmup-steps", type=int, default=d.lr_warmup_steps)
-    p.add_argument("--lr-end", type=float, default=d.lr_end,
-                   help="learning rate reached at the end of the budget (linear decay); 0 or less: constant")
+    p.add_argument("--lr-end", type=float, default=None,
+                   help=f"learning rate reached at the end of the budget (linear decay; default {d.lr_end:g}, "
+                        f"team {TEAM_LR[1]:g}); 0 or less: constant")
     p.add_argument("--sft-steps", type=int, default=None, help="warm-start SFT steps (default: the recipe's)")
     p.add_argument("--model", default=None,
                    help="start from this model folder instead of the warm start; `smollm2`: SmolLM2-135M-Instruct "
@@ -63,8 +69,34 @@ def add_cli(sub: Any) -> None:
     c.set_defaults(func=compare_cli)
 
 
-def run_cli(args: argparse.Namespace) -> int:
+def config_from(args: argparse.Namespace) -> DemoConfig:
+    """The run's configuration from the command line (the task decides the lr defaults)."""
     mode = "sync" if args.sync else "async"
+    d = DemoConfig()
+    lr_default, lr_end_default = TEAM_LR if args.task == "team" else (d.lr, d.lr_end)
+    lr = lr_default if args.lr is None else args.lr
+    lr_end = lr_end_default if args.lr_end is None else args.lr_end
+    smol = args.model == "smollm2"  # SmolDemoRun picks its own model
+    default_out = f"runs/demo-{args.seed}-{mode}" if args.task == "guess" else \
+        f"runs/demo-smol-arith-{args.seed}" if smol else \
+        f"runs/demo-team-{'shared' if args.shared_policy else 'separate'}-{args.seed}"
+    return DemoConfig(out_dir=args.out or default_out, seed=args.seed, minutes=args.minutes,
+                      task=args.task, shared_policy=args.shared_policy,
+                      warm_start_seed=args.warm_start_seed,
+                      mode=mode, eval_tasks=args.eval_tasks, groups_per_step=args.groups_per_step,
+                      group_size=args.group_size, groups_in_flight=args.groups_in_flight,
+                      max_staleness=args.max_staleness, lr=lr,
+                      dual_clip=args.dual_clip if args.dual_clip and args.dual_clip > 0 else None, algo=args.algo,
+                      lr_end=lr_end if lr_end and lr_end > 0 else None,
+                      lr_warmup_steps=max(0, args.lr_warmup_steps),
+                      sft_steps=args.sft_steps, warm_start_precision=args.warm_start_precision,
+                      threads=args.threads, model_dir=None if smol else args.model,
+                      max_steps=args.max_steps, greedy=not args.no_greedy,
+                      extra={"lora_rank": args.lora_rank} if smol and args.lora_rank > 0 else {},
+                      progress=sys.stderr.isatty() or os.environ.get("LIGHTNING_PROGRESS") == "1")
+
+
+def run_cli(args: argparse.Namespace) -> int:
     if args.shared_policy and args.task != "team":
         print("lightning-mw demo: --shared-policy is for --task team", file=sys.stderr)
         return 2
@@ -72,23 +104,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if smol != (args.task == "arith"):
         print("lightning-mw demo: --task arith goes with --model smollm2 (and smollm2 with arith)", file=sys.stderr)
         return 2
-    default_out = f"runs/demo-{args.seed}-{mode}" if args.task == "guess" else \
-        f"runs/demo-smol-arith-{args.seed}" if smol else \
-        f"runs/demo-team-{'shared' if args.shared_policy else 'separate'}-{args.seed}"
-    cfg = DemoConfig(out_dir=args.out or default_out, seed=args.seed, minutes=args.minutes,
-                     task=args.task, shared_policy=args.shared_policy,
-                     warm_start_seed=args.warm_start_seed,
-                     mode=mode, eval_tasks=args.eval_tasks, groups_per_step=args.groups_per_step,
-                     group_size=args.group_size, groups_in_flight=args.groups_in_flight,
-                     max_staleness=args.max_staleness, lr=args.lr,
-                     dual_clip=args.dual_clip if args.dual_clip and args.dual_clip > 0 else None, algo=args.algo,
-                     lr_end=args.lr_end if args.lr_end and args.lr_end > 0 else None,
-                     lr_warmup_steps=max(0, args.lr_warmup_steps),
-                     sft_steps=args.sft_steps, warm_start_precision=args.warm_start_precision,
-                     threads=args.threads, model_dir=None if smol else args.model,
-                     max_steps=args.max_steps, greedy=not args.no_greedy,
-                     extra={"lora_rank": args.lora_rank} if smol and args.lora_rank > 0 else {},
-                     progress=sys.stderr.isatty() or os.environ.get("LIGHTNING_PROGRESS") == "1")
+    cfg = config_from(args)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         from transformers.utils import logging as hf_logging

@@ -1,0 +1,31 @@
+"""What the property-based (hypothesis) tests share: how many examples each runs, and a count of
+the cases they tried, which the test run reports at its end (tests/conftest.py).
+
+The default suite runs each fuzz test briefly (seconds). `LIGHTNING_FUZZ_SCALE=N` multiplies
+every test's examples by N, for a long run (docs/reliability.md, "Bad input"):
+
+    LIGHTNING_FUZZ_SCALE=20 python -m pytest -q tests/gateway/test_bad_input.py ...
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+from hypothesis import HealthCheck, settings
+
+SCALE = max(1, int(os.environ.get("LIGHTNING_FUZZ_SCALE", "1")))
+CASES: Counter[str] = Counter()  # cases tried, by what was fuzzed
+
+
+def fuzz(examples: int) -> settings:
+    """Settings for one fuzz test: `examples` (times the scale), no per-example deadline (a shared
+    2-core machine makes timings noisy), and no example database written into the work tree."""
+    return settings(max_examples=examples * SCALE, deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                           HealthCheck.data_too_large])
+
+
+def tried(what: str) -> None:
+    """Count one case of `what`."""
+    CASES[what] += 1
