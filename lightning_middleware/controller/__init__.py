@@ -1,6 +1,6 @@
 """The rollout controller: run an agent over a task set, n samples per task, with a
 concurrency limit, timeouts, infrastructure retries, pause/drain, leases and continuous mode,
-on local or Ray backends; held-out evaluation with early stopping.
+on local, Ray or Kubernetes backends; held-out evaluation with early stopping.
 
     with RolloutController("mypkg.agent:run", store="sqlite:///traces.db", concurrency=16) as c:
         results = c.run("tasks.jsonl", n=8)
@@ -9,8 +9,11 @@ on local or Ray backends; held-out evaluation with early stopping.
 from lightning_middleware.controller.backends import (
                                                       AsyncioBackend,
                                                       Backend,
+                                                      KubernetesBackend,
+                                                      PodTemplate,
                                                       ProcessBackend,
                                                       RayBackend,
+                                                      Sandbox,
                                                       ThreadBackend,
                                                       make_backend,
 )
@@ -34,6 +37,8 @@ __all__ = [
     "ControllerStats",
     "EarlyStopping",
     "Evaluator",
+    "KubernetesBackend",
+    "PodTemplate",
     "ProcessBackend",
     "RayBackend",
     "RetryPolicy",
@@ -41,6 +46,7 @@ __all__ = [
     "RolloutJob",
     "RolloutOutcome",
     "RolloutResult",
+    "Sandbox",
     "ThreadBackend",
     "WorkerLost",
     "compute_metrics",

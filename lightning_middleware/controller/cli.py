@@ -1,15 +1,21 @@
-"""`lightning-mw rollouts run|eval|metrics|reap`."""
+"""`lightning-mw rollouts run|eval|metrics|reap|worker`."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
+from lightning_middleware.controller.backends import KubernetesBackend, PodTemplate
+from lightning_middleware.controller.backends.k8s_template import load_template
 from lightning_middleware.controller.evaluation import Evaluator, format_history, format_metrics
 from lightning_middleware.controller.jobs import RetryPolicy
 from lightning_middleware.controller.rollout_controller import RolloutController, reap_stale
+from lightning_middleware.controller.worker import run_worker
+from lightning_middleware.errors import UsageError
 from lightning_middleware.store import open_store
 
 
@@ -22,12 +28,17 @@ def add_cli(sub: Any) -> None:
         q.add_argument("--tasks", required=True, help="JSONL file, one task (a JSON object) per line")
         q.add_argument("--store", default=None,
                        help="store URL (default: env LIGHTNING_STORE_URL or ./lightning_traces.db)")
-        q.add_argument("--backend", default="auto", choices=["auto", "asyncio", "thread", "process", "ray"])
+        q.add_argument("--backend", default="auto", choices=["auto", "asyncio", "thread", "process", "ray", "k8s"])
         q.add_argument("--concurrency", type=int, default=8)
         q.add_argument("--timeout", type=float, default=None, help="per-rollout timeout, seconds")
         q.add_argument("--retries", type=int, default=2, help="extra attempts after an infrastructure error")
         q.add_argument("--workers", type=int, default=None, help="worker processes / Ray actors")
-        q.add_argument("--ray-address", default=None, help="existing Ray cluster (default: start a local runtime)")
+        q.add_argument("--ray-address", default=None,
+                       help="existing Ray cluster: auto, ray://head:10001 or head:6379 (default: a local runtime)")
+        q.add_argument("--k8s-template", default=None, help="pod template for --backend k8s (TOML or JSON)")
+        q.add_argument("--k8s-image", default=None, help="the rollout image (overrides the template's)")
+        q.add_argument("--k8s-namespace", default=None, help="namespace of the rollout Jobs")
+        q.add_argument("--k8s-api-url", default=None, help="API server URL without auth (default: kubeconfig)")
         q.add_argument("--rewards", default=None, metavar="FILE",
                        help="a reward configuration (TOML/JSON) each rollout is scored under (docs/rewards.md)")
 
@@ -56,17 +67,41 @@ def add_cli(sub: Any) -> None:
     k.add_argument("--include-unleased", action="store_true",
                    help="also end running rollouts without a lease created before the cutoff")
     k.set_defaults(func=_cli_reap)
+
+    w = cmds.add_parser("worker", help="run the one rollout a pod's environment names (the k8s Job entrypoint)")
+    w.set_defaults(func=lambda _a: run_worker())
     p.set_defaults(func=lambda _a: (p.print_help(), 2)[1])
+
+
+def _backend_from(args: Any) -> str | KubernetesBackend:
+    if args.backend != "k8s":
+        return str(args.backend)
+    overrides = {"image": args.k8s_image, "namespace": args.k8s_namespace}
+    if args.k8s_template:
+        template = load_template(args.k8s_template, **overrides)
+    elif args.k8s_image:
+        template = PodTemplate(image=args.k8s_image, namespace=args.k8s_namespace or "default")
+    else:
+        raise UsageError("--backend k8s needs --k8s-template FILE or --k8s-image IMAGE")
+    return KubernetesBackend(template, api_url=args.k8s_api_url, max_jobs=args.workers)
 
 
 def _controller_from(args: Any) -> RolloutController:
     sys.path.insert(0, os.getcwd())
-    return RolloutController(args.agent, store=args.store, backend=args.backend, concurrency=args.concurrency,
+    return RolloutController(args.agent, store=args.store, backend=_backend_from(args), concurrency=args.concurrency,
                              timeout_s=args.timeout, retry=RetryPolicy(max_attempts=1 + max(0, args.retries)),
                              workers=args.workers, ray_address=args.ray_address, rewards=args.rewards)
 
 
+def _sigterm_as_ctrl_c() -> None:
+    # So that SIGTERM (kubectl delete, a CI timeout) leaves the `with` block like Ctrl-C does and the
+    # backend's close() runs: worker processes and Ray actors stop, the run's k8s Jobs are deleted.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def _cli_run(args: Any) -> int:
+    _sigterm_as_ctrl_c()
     t0 = time.monotonic()
     with _controller_from(args) as c:
         results = c.run(args.tasks, n=args.n, mode=args.mode)
@@ -83,6 +118,7 @@ def _cli_run(args: Any) -> int:
 
 
 def _cli_eval(args: Any) -> int:
+    _sigterm_as_ctrl_c()
     with _controller_from(args) as c:
         ev = Evaluator(c, args.tasks, n=args.n, name=args.name, success_threshold=args.success_threshold)
         result = ev.evaluate(step=args.step)

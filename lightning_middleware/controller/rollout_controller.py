@@ -16,8 +16,9 @@ The controller does the scheduling (concurrency limit, retries, pause/drain,
 leases, policy-version tags, continuous mode) in one asyncio loop; a `Backend`
 only runs one job and reports its outcome. Backends: "asyncio" (async agents),
 "thread" (sync agents), "process" (a pool of worker processes; a killed worker
-fails only its rollout), "ray" (actors on a Ray cluster). Ray is imported only
-when the Ray backend starts.
+fails only its rollout), "ray" (actors on a Ray cluster), "k8s" (a Job per rollout,
+`k8s_template=PodTemplate(...)`). Ray and the kubernetes client are imported only when
+their backend starts.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from lightning_middleware.controller.backends import Backend, make_backend
+from lightning_middleware.controller.backends import Backend, PodTemplate, make_backend
 from lightning_middleware.controller.execution import AgentFn, failure, no_running_loop, resolve_agent, worker_name
 from lightning_middleware.controller.jobs import ControllerStats, RetryPolicy, RolloutJob, RolloutOutcome, RolloutResult
 from lightning_middleware.controller.tasks import TaskSource, load_tasks
@@ -64,16 +65,18 @@ class RolloutController:
                  policy_version_ttl_s: float = 1.0, lease_s: float = 30.0, reap: bool = True,
                  metadata: dict[str, Any] | None = None, task_id_key: str = "task_id",
                  workers: int | None = None, ray_address: str | None = None,
+                 k8s_template: PodTemplate | None = None,
                  rewards: RewardConfig | str | None = None) -> None:
         """`rewards`: a reward configuration (or its file) each rollout is scored under as it ends
-        (docs/rewards.md); `RolloutResult.reward` is then the combined final reward."""
+        (docs/rewards.md); `RolloutResult.reward` is then the combined final reward. `k8s_template`:
+        the pod template of backend="k8s" (docs/kubernetes.md)."""
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         self.agent_ref = agent
         self.agent = resolve_agent(agent)
         self.store = get_store(store)
         self.backend = make_backend(backend, self.agent, concurrency=concurrency, workers=workers,
-                                    ray_address=ray_address)
+                                    ray_address=ray_address, k8s_template=k8s_template)
         self.concurrency = concurrency
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()

@@ -278,6 +278,16 @@ class TraceStore(StoreQueries, RewardOps, TrainerOps):
             if new:
                 conn.execute(sa.insert(t), new)
 
+    def lease_heartbeats(self, rollout_ids: Iterable[str]) -> dict[str, float]:
+        """The last heartbeat of each of these rollouts that has a lease (for `lightning-mw k8s reap`)."""
+        ids = list(rollout_ids)
+        if not ids:
+            return {}
+        t = S.rollout_leases
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(t.c.rollout_id, t.c.heartbeat_at).where(t.c.rollout_id.in_(ids)))
+            return {rid: float(at) for rid, at in rows}
+
     def release_leases(self, rollout_ids: Iterable[str]) -> None:
         ids = list(rollout_ids)
         if ids:

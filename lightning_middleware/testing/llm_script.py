@@ -18,7 +18,11 @@ predict every token:
 - Test hooks, as request headers: `x-test-fail-times: N` fails the first N
   attempts of an identical body with 500; `x-test-delay: S` sleeps S seconds
   before each streamed chunk; `x-test-strict: 1` rejects unknown fields with
-  400, as the real OpenAI API would reject `return_token_ids`.
+  400, as the real OpenAI API would reject `return_token_ids`; `x-test-hang: S`
+  waits S seconds before answering at all (an engine that stalls);
+  `x-test-close-after: N` sends the first N SSE events of a stream, then drops
+  the connection without finishing the body (an engine that dies mid-stream).
+  The last two are served by the HTTP server (`llm_server`) only.
 
 `reply(path, headers, raw)` is the whole server as one function: the ASGI app
 (`llm_server.build_app`) and the in-process transport (`transport.LLMTestTransport`)
@@ -256,6 +260,8 @@ class ScriptedReply:
     events: tuple[bytes, ...] = ()
     headers: dict[str, str] = field(default_factory=dict)
     delay_s: float = 0.0
+    hang_s: float = 0.0  # before answering (x-test-hang)
+    close_after: int | None = None  # events sent before the connection drops (x-test-close-after)
 
     @property
     def stream(self) -> bool:
@@ -375,13 +381,16 @@ def reply(path: str, headers: Mapping[str, str], raw: bytes) -> ScriptedReply:
             _fail_counts[key] += 1
             return _error(500, "injected failure", "server_error")
     seen = {"x-test-received-headers": ",".join(sorted(headers.keys()))}
+    hang_s = _header_number(headers, "x-test-hang")
     if path.endswith("/responses"):
-        return ScriptedReply(200, _responses_response(body), headers=seen)
+        return ScriptedReply(200, _responses_response(body), headers=seen, hang_s=hang_s)
     if not body.get("stream"):
-        return ScriptedReply(200, _chat_response(body) if chat else _completion_response(body), headers=seen)
+        return ScriptedReply(200, _chat_response(body) if chat else _completion_response(body), headers=seen,
+                             hang_s=hang_s)
     events = tuple(f"data: {json.dumps(c)}\n\n".encode() for c in _stream_chunks(body, chat))
+    close_after = int(_header_number(headers, "x-test-close-after")) if "x-test-close-after" in headers else None
     return ScriptedReply(200, events=events + (b"data: [DONE]\n\n",), headers=seen,
-                         delay_s=_header_number(headers, "x-test-delay"))
+                         delay_s=_header_number(headers, "x-test-delay"), hang_s=hang_s, close_after=close_after)
 
 
 def tokenize_reply(raw: bytes) -> dict[str, Any]:

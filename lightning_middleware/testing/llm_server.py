@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import socket
 import subprocess
@@ -43,6 +44,8 @@ def build_app(latency_s: float = 0.0, cpu_s: float = 0.0) -> Any:
 
     async def completions(request: Request) -> Any:
         answer = reply(request.url.path, request.headers, await request.body())
+        if answer.hang_s:
+            await asyncio.sleep(answer.hang_s)
         if answer.status == 200 and not request.url.path.endswith("/responses"):
             if latency_s:
                 await asyncio.sleep(latency_s)
@@ -53,7 +56,11 @@ def build_app(latency_s: float = 0.0, cpu_s: float = 0.0) -> Any:
                             media_type="application/json")
 
         async def events() -> Any:
-            for event in answer.events:
+            for i, event in enumerate(answer.events):
+                if answer.close_after is not None and i >= answer.close_after:
+                    # An exception in the body iterator makes uvicorn drop the connection without the
+                    # chunked body's terminator: the client sees the stream cut, as when an engine dies.
+                    raise ConnectionAbortedError("x-test-close-after: connection dropped mid-stream")
                 if answer.delay_s:
                     await asyncio.sleep(answer.delay_s)
                 yield event
@@ -155,6 +162,14 @@ class LLMTestServer:
         self.stop()
 
 
+class _DroppedOnPurpose(logging.Filter):
+    """Keep uvicorn from logging a traceback for each x-test-close-after drop: the server's stderr is a pipe
+    nobody drains while it runs, and a few dozen tracebacks would fill it and stall the server."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], ConnectionAbortedError))
+
+
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
@@ -165,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpu-ms", type=float, default=0.0,
                         help="CPU each completion computes, one at a time (an engine that fills a core)")
     args = parser.parse_args(argv)
+    logging.getLogger("uvicorn.error").addFilter(_DroppedOnPurpose())
     uvicorn.run(build_app(args.latency_ms / 1000, args.cpu_ms / 1000), host=args.host, port=args.port,
                 log_level="warning", access_log=False)
 

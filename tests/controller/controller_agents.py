@@ -57,6 +57,10 @@ def tool_agent(task: dict[str, Any]) -> float:
             time.sleep(task["sleep"])
         if task.get("crash"):
             raise ValueError("tool exploded")
+        if task.get("exit_code"):  # the agent's process dies without reporting (a segfault, os._exit)
+            current_rollout().store.flush()
+            print("\n".join(f"agent log line {i}" for i in range(30)), flush=True)
+            os._exit(int(task["exit_code"]))
         if not reply.tool_calls:
             return float(task.get("reward", 1.0))
         for call in reply.tool_calls:
@@ -87,6 +91,12 @@ async def noop_agent(task: dict[str, Any]) -> float:
 
 def sync_noop_agent(task: dict[str, Any]) -> float:
     return 1.0
+
+
+def exit_agent(task: dict[str, Any]) -> float:
+    """Dies without reporting, after some output (no LLM): a non-zero pod exit, on a real cluster too."""
+    print("\n".join(f"agent log line {i}" for i in range(30)), flush=True)
+    os._exit(int(task.get("exit_code", 3)))
 
 
 def max_overlap(rollouts: Any) -> int:

@@ -209,6 +209,9 @@ def test_leases_and_reap_stale(store: TraceStore) -> None:
     store.heartbeat(["dead", "done"], owner="ctl", at=now - 60)
     store.heartbeat(["alive"], owner="ctl", at=now - 60)
     store.heartbeat(["alive"], owner="ctl")  # refreshed
+    beats = store.lease_heartbeats(["dead", "alive", "unleased"])  # what `lightning-mw k8s reap` reads
+    assert sorted(beats) == ["alive", "dead"] and beats["dead"] == pytest.approx(now - 60) and beats["alive"] >= now
+    assert store.lease_heartbeats([]) == {}
     assert reap_stale(store, 30) == ["dead"]
     dead = store.get_rollout("dead")
     assert dead.status == "failed" and "lease expired" in dead.error and dead.duration_s == pytest.approx(100, abs=5)

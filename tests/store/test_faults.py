@@ -9,6 +9,7 @@ import pytest
 
 from lightning_middleware import LLMCall, TraceStore, rollout, wrap
 from lightning_middleware.testing import LLMTestServer, PostgresTestServer
+from tests.faults.matrix import Cell, report
 
 
 @pytest.mark.slow
@@ -29,12 +30,19 @@ def test_postgres_restart_mid_run_loses_nothing(llm_server: LLMTestServer) -> No
         assert time.monotonic() - t0 < 10  # calls never waited on the dead database
         stats = store.writer_stats()
         assert stats.pending >= 7 and stats.failures >= 1 and stats.dropped == 0
+        t_start = time.monotonic()
         pg.start()  # it comes back
+        up_s = time.monotonic() - t_start
         assert store.flush(30)
+        recovery = time.monotonic() - t_start
         assert len(store.calls(r1.id)) == 1
         assert len(store.calls(r2.id)) == 5
         ro = store.get_rollout(r2.id)
         assert ro.status == "succeeded" and ro.final_reward == 1.0
+        report(Cell("PostgreSQL stopped and restarted mid-run", sent=6, recorded=6, lost=0,
+                    recovery_s=round(recovery, 2),
+                    note=f"{stats.pending} ops buffered, {stats.failures} failed writes retried; "
+                         f"server up in {up_s:.2f}s, buffer written {recovery - up_s:.2f}s later"))
         store.close()
 
 

@@ -111,6 +111,16 @@ def settings_from(args: argparse.Namespace) -> TrainerSettings:
     return TrainerSettings.load(args.config, overrides)
 
 
+def _served_ahead(publisher: WeightPublisher, version: int) -> bool:
+    """The server serves a trainer's version tag (an integer) other than the committed one: weights of
+    a step that never committed. A fresh vLLM reports "default" and needs no publish."""
+    served = publisher.weight_version()
+    try:
+        return served is not None and int(served) != version
+    except ValueError:
+        return False
+
+
 def run_trainer(args: argparse.Namespace) -> int:
     settings = settings_from(args)  # SettingsError: lightning-mw prints it on one line, exits 2
     if not args.print_config:
@@ -136,6 +146,8 @@ def run_trainer(args: argparse.Namespace) -> int:
             publisher.publish(start_dir, version)
         elif settings.lora.rank:  # a new adapter (the base exactly): served before any agent asks for it
             publisher.publish(engine.save(Path(config.checkpoint_dir) / "v000000"), 0)
+        elif _served_ahead(publisher, version):  # a first step published, killed before its commit
+            publisher.publish(start_dir, version)
     daemon = TrainerDaemon(store, engine, config, publisher)
     mon = settings.monitor
     monitor = Monitor(tensorboard=mon.tensorboard, wandb_project=mon.wandb_project, wandb_mode=mon.wandb_mode,

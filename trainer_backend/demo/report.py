@@ -27,7 +27,8 @@ def plot_curve(results: dict[str, Any] | list[tuple[str, dict[str, Any]]], path:
         ax.plot(t, y, color=color, alpha=0.25, lw=1)
         ma = [sum(y[max(0, i - smooth + 1):i + 1]) / len(y[max(0, i - smooth + 1):i + 1]) for i in range(len(y))]
         ax.plot(t, ma, color=color, lw=2, label=f"{label} (moving avg {smooth})")
-        end = res["config"]["minutes"]
+        # the evaluation after RL sits where RL ended (a step budget may end it before the time cap)
+        end = res.get("timings", {}).get("rl_s", 60 * res["config"]["minutes"]) / 60
         for tag, x in (("before", 0.0), ("after", end)):
             if tag in res:
                 ax.scatter([x], [res[tag]["sampled"]["success"]], color=color, marker="o", zorder=5, s=40)
@@ -39,7 +40,9 @@ def plot_curve(results: dict[str, Any] | list[tuple[str, dict[str, Any]]], path:
     ax.set_ylabel("success (train rollouts, T=1)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.set_title("lightning-mw demo: guess-the-number agent (LangChain), rollout-level GRPO")
+    team = runs[0][1]["config"].get("task") == "team"
+    ax.set_title("lightning-mw demo: " + ("a two-agent LangGraph team, a LoRA policy per role" if team
+                                          else "guess-the-number agent (LangChain), rollout-level GRPO"))
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     path = Path(path)

@@ -1,21 +1,26 @@
 """Where rollouts run: "asyncio" (async agents), "thread" (sync agents), "process" (a pool of
-worker processes), "ray" (actors on a Ray cluster), all behind the `Backend` protocol."""
+worker processes), "ray" (actors on a Ray cluster), "k8s" (a Kubernetes Job per rollout), all
+behind the `Backend` protocol. Ray and the kubernetes client are imported only when used."""
 
 from __future__ import annotations
 
 import inspect
 
 from lightning_middleware.controller.backends.base import Backend
+from lightning_middleware.controller.backends.k8s import KubernetesBackend
+from lightning_middleware.controller.backends.k8s_template import PodTemplate, Sandbox
 from lightning_middleware.controller.backends.local import AsyncioBackend, ThreadBackend
 from lightning_middleware.controller.backends.process import ProcessBackend
 from lightning_middleware.controller.backends.ray_backend import RayBackend
 from lightning_middleware.controller.execution import AgentFn
 
-__all__ = ["AsyncioBackend", "Backend", "ProcessBackend", "RayBackend", "ThreadBackend", "make_backend"]
+__all__ = ["AsyncioBackend", "Backend", "KubernetesBackend", "PodTemplate", "ProcessBackend", "RayBackend", "Sandbox",
+           "ThreadBackend", "make_backend"]
 
 
 def make_backend(backend: str | Backend, agent: AgentFn | str, *, concurrency: int,
-                 workers: int | None = None, ray_address: str | None = None) -> Backend:
+                 workers: int | None = None, ray_address: str | None = None,
+                 k8s_template: PodTemplate | None = None) -> Backend:
     if not isinstance(backend, str):
         return backend
     if backend == "auto":
@@ -29,4 +34,8 @@ def make_backend(backend: str | Backend, agent: AgentFn | str, *, concurrency: i
     if backend == "ray":
         return RayBackend(ray_address, num_workers=workers or 2,
                           per_worker_concurrency=max(1, -(-concurrency // (workers or 2))))
-    raise ValueError(f"unknown backend {backend!r}: use auto, asyncio, thread, process or ray")
+    if backend == "k8s":
+        if k8s_template is None:
+            raise ValueError("backend 'k8s' needs a pod template: k8s_template=PodTemplate(image=...)")
+        return KubernetesBackend(k8s_template, max_jobs=workers)
+    raise ValueError(f"unknown backend {backend!r}: use auto, asyncio, thread, process, ray or k8s")

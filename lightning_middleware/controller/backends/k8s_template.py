@@ -1,0 +1,220 @@
+"""What a rollout's Kubernetes Job looks like: the user's pod template, the sandbox options for coding
+agents, and the Job / NetworkPolicy objects built from them (plain dicts, as the API takes them).
+
+Pure functions, no Kubernetes client: the backend (k8s.py) and `lightning-mw k8s manifests` both
+render from here, and the tests validate the output against the Kubernetes OpenAPI schemas.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lightning_middleware.controller.jobs import RolloutJob
+
+MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGER = "lightning-middleware"
+ROLE_LABEL = "lightning-middleware/role"
+RUN_LABEL = "lightning-middleware/run"
+ROLLOUT_LABEL = "lightning-middleware/rollout"
+TASK_ANNOTATION = "lightning-middleware/task-id"
+# What the worker entrypoint (controller/worker.py) reads from its environment.
+ENV_AGENT = "LIGHTNING_AGENT"
+ENV_JOB = "LIGHTNING_ROLLOUT_JOB"
+ENV_STORE = "LIGHTNING_STORE_URL"
+ENV_TERMINATION_LOG = "LIGHTNING_TERMINATION_LOG"
+DEFAULT_COMMAND = ("lightning-mw", "rollouts", "worker")
+_NAME_OK = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """The guard for coding agents (docs/kubernetes.md): what a rollout pod may not do.
+
+    - `egress_to`: the only destinations the pod may open connections to (NetworkPolicy `to` peers:
+      `{"podSelector": {...}}`, `{"ipBlock": {"cidr": ...}}`), plus DNS on port 53. Empty: the
+      policy allows DNS only. None: no NetworkPolicy.
+    - `read_only_root_fs`: the image's files cannot be changed (scratch space is an emptyDir at /tmp).
+    - no service-account token in the pod: the agent cannot talk to the Kubernetes API.
+    - `workspace_*`: the repository the agent works on is mounted with an empty read-only volume
+      over its `.git` (history, other branches and the reference solution are not visible), and
+      `GIT_DIR` points nowhere, so git commands fail.
+    """
+
+    egress_to: tuple[dict[str, Any], ...] | None = ()
+    read_only_root_fs: bool = True
+    automount_service_account_token: bool = False
+    run_as_non_root: bool = False
+    workspace_volume: dict[str, Any] | None = None  # a pod volume source, e.g. {"persistentVolumeClaim": {...}}
+    workspace_path: str = "/workspace"
+    hide_git: bool = True
+
+
+@dataclass(frozen=True)
+class PodTemplate:
+    """The pod a rollout runs in: the same worker entrypoint a local process runs, in your image.
+
+    `store_url`: the store as the pods reach it (a cluster DNS name); default: the controller's.
+    `store_url_secret`: (secret name, key) holding that URL, so no password lands in the Job object.
+    `startup_grace_s`: added to the rollout timeout for `activeDeadlineSeconds` (scheduling, image
+    pull, imports); the worker's own alarm ends the rollout at the timeout itself.
+    """
+
+    image: str
+    namespace: str = "default"
+    command: tuple[str, ...] = DEFAULT_COMMAND
+    env: dict[str, str] = field(default_factory=dict)
+    resources: dict[str, Any] = field(default_factory=dict)
+    node_selector: dict[str, str] = field(default_factory=dict)
+    service_account: str | None = None
+    image_pull_policy: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    store_url: str | None = None
+    store_url_secret: tuple[str, str] | None = None
+    ttl_seconds_after_finished: int = 600
+    startup_grace_s: float = 60.0
+    name_prefix: str = "rollout"
+    sandbox: Sandbox | None = None
+
+    def __post_init__(self) -> None:
+        if not self.image:
+            raise ValueError("the pod template needs an image")
+        if not _NAME_OK.match(self.name_prefix) or len(self.name_prefix) > 20:
+            raise ValueError(f"name_prefix {self.name_prefix!r} must be a DNS label of at most 20 characters")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PodTemplate:
+        """From a TOML/JSON/YAML table; unknown keys are an error that names them."""
+        data = dict(data)
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown pod template keys {unknown}; known: {sorted(known)}")
+        if isinstance(data.get("sandbox"), dict):
+            sb = dict(data["sandbox"])
+            if sb.get("egress_to") is not None:
+                sb["egress_to"] = tuple(sb["egress_to"])
+            data["sandbox"] = Sandbox(**sb)
+        for key in ("command", "store_url_secret"):
+            if data.get(key) is not None:
+                data[key] = tuple(data[key])
+        return cls(**data)
+
+
+def load_template(path: str, **overrides: Any) -> PodTemplate:
+    """A pod template from a TOML or JSON file (a `[pod]` table, or the whole file); a bad file or key
+    is a UsageError that names it."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    from lightning_middleware.errors import UsageError
+
+    try:
+        with open(path, "rb") as f:
+            data = json.load(f) if path.endswith(".json") else tomllib.load(f)
+        table = dict(data.get("pod", data))
+        table.update({k: v for k, v in overrides.items() if v is not None})
+        return PodTemplate.from_dict(table)
+    except (OSError, ValueError, TypeError) as exc:
+        raise UsageError(f"pod template {path}: {exc}") from None
+
+
+def job_name(template: PodTemplate, rollout_id: str) -> str:
+    return f"{template.name_prefix}-{rollout_id}"[:63].rstrip("-")
+
+
+def run_selector(run_id: str) -> str:
+    return f"{MANAGED_BY}={MANAGER},{RUN_LABEL}={run_id}"
+
+
+def rollout_labels(template: PodTemplate, run_id: str, rollout_id: str | None = None) -> dict[str, str]:
+    labels = {**template.labels, MANAGED_BY: MANAGER, ROLE_LABEL: "rollout", RUN_LABEL: run_id}
+    if rollout_id is not None:
+        labels[ROLLOUT_LABEL] = rollout_id
+    return labels
+
+
+def active_deadline_s(template: PodTemplate, timeout_s: float | None) -> int | None:
+    return None if timeout_s is None else max(1, math.ceil(timeout_s + template.startup_grace_s))
+
+
+def _env(template: PodTemplate, job: RolloutJob, agent_ref: str) -> list[dict[str, Any]]:
+    rewards = job.rewards
+    if rewards is not None and not isinstance(rewards, str):
+        raise ValueError("the k8s backend takes the reward configuration as a file path, present at the same "
+                         "path in the pod (a ConfigMap mount), not a RewardConfig object")
+    payload = json.dumps({**asdict(job), "store_url": None}, separators=(",", ":"))
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in template.env.items()]
+    env += [{"name": ENV_AGENT, "value": agent_ref}, {"name": ENV_JOB, "value": payload}]
+    if template.store_url_secret is not None:
+        name, key = template.store_url_secret
+        env.append({"name": ENV_STORE, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
+    elif template.store_url or job.store_url:
+        env.append({"name": ENV_STORE, "value": template.store_url or job.store_url})
+    if template.sandbox is not None and template.sandbox.workspace_volume is not None and template.sandbox.hide_git:
+        env.append({"name": "GIT_DIR", "value": "/dev/null/no-git"})
+    return env
+
+
+def _sandboxed(pod: dict[str, Any], container: dict[str, Any], sb: Sandbox) -> None:
+    pod["automountServiceAccountToken"] = sb.automount_service_account_token
+    sec: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                           "readOnlyRootFilesystem": sb.read_only_root_fs}
+    if sb.run_as_non_root:
+        sec["runAsNonRoot"] = True
+    container["securityContext"] = sec
+    volumes: list[dict[str, Any]] = [{"name": "scratch", "emptyDir": {}}]
+    mounts: list[dict[str, Any]] = [{"name": "scratch", "mountPath": "/tmp"}]
+    if sb.workspace_volume is not None:
+        volumes.append({"name": "workspace", **sb.workspace_volume})
+        mounts.append({"name": "workspace", "mountPath": sb.workspace_path})
+        if sb.hide_git:  # an empty, read-only directory over the repository's .git hides its history
+            volumes.append({"name": "no-git", "emptyDir": {"sizeLimit": "1Mi"}})
+            mounts.append({"name": "no-git", "mountPath": f"{sb.workspace_path.rstrip('/')}/.git", "readOnly": True})
+    pod["volumes"] = volumes
+    container["volumeMounts"] = mounts
+
+
+def job_manifest(template: PodTemplate, job: RolloutJob, *, run_id: str, agent_ref: str) -> dict[str, Any]:
+    """The batch/v1 Job for one rollout: backoffLimit 0 (retries are the controller's), a deadline
+    from the rollout timeout, cleaned up `ttl_seconds_after_finished` after it ends."""
+    labels = rollout_labels(template, run_id, job.rollout_id)
+    container: dict[str, Any] = {"name": "rollout", "image": template.image, "command": list(template.command),
+                                 "env": _env(template, job, agent_ref),
+                                 "terminationMessagePath": "/dev/termination-log",
+                                 "terminationMessagePolicy": "FallbackToLogsOnError"}
+    if template.resources:
+        container["resources"] = template.resources
+    if template.image_pull_policy:
+        container["imagePullPolicy"] = template.image_pull_policy
+    pod: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
+    if template.node_selector:
+        pod["nodeSelector"] = dict(template.node_selector)
+    if template.service_account:
+        pod["serviceAccountName"] = template.service_account
+    if template.sandbox is not None:
+        _sandboxed(pod, container, template.sandbox)
+    spec: dict[str, Any] = {"backoffLimit": 0, "ttlSecondsAfterFinished": template.ttl_seconds_after_finished,
+                            "template": {"metadata": {"labels": labels}, "spec": pod}}
+    deadline = active_deadline_s(template, job.timeout_s)
+    if deadline is not None:
+        spec["activeDeadlineSeconds"] = deadline
+    meta = {"name": job_name(template, job.rollout_id), "namespace": template.namespace, "labels": labels,
+            "annotations": {TASK_ANNOTATION: job.task_id}}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": spec}
+
+
+def network_policy(name: str, namespace: str, egress_to: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    """Rollout pods (role=rollout) may reach only `egress_to` and DNS; no ingress at all."""
+    dns = {"to": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
+           "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+    egress = [dns] + ([{"to": list(egress_to)}] if egress_to else [])
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": name, "namespace": namespace, "labels": {MANAGED_BY: MANAGER}},
+            "spec": {"podSelector": {"matchLabels": {MANAGED_BY: MANAGER, ROLE_LABEL: "rollout"}},
+                     "policyTypes": ["Ingress", "Egress"], "egress": egress}}

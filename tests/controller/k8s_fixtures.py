@@ -1,0 +1,38 @@
+"""Shared pieces of the Kubernetes backend tests: the emulated API server with its test kubelet, and
+a pod template whose container command runs this checkout's worker entrypoint as a local process."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_middleware.controller import PodTemplate
+from lightning_middleware.testing.k8s_api import K8sAPIServer
+from lightning_middleware.testing.kubelet import Kubelet, job_env
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = (sys.executable, "-m", "lightning_middleware.controller.worker")
+
+
+def template(**kw: Any) -> PodTemplate:
+    base: dict[str, Any] = {"image": "lightning/rollout:test", "namespace": "rollouts", "command": WORKER,
+                            "env": {"PYTHONPATH": str(ROOT)}, "startup_grace_s": 30.0,
+                            "resources": {"limits": {"memory": "512Mi", "cpu": "1"}}}
+    return PodTemplate(**{**base, **kw})
+
+
+def task_fault(job: dict[str, Any]) -> str | None:
+    """The fault a test task asks for (`task["fault"]`), on its first attempt only (the retry runs clean)."""
+    spec = json.loads(job_env(job)["LIGHTNING_ROLLOUT_JOB"])
+    return spec["task"].get("fault") if spec["attempt"] == 1 else None
+
+
+@pytest.fixture
+def cluster() -> Iterator[tuple[K8sAPIServer, Kubelet]]:
+    with K8sAPIServer() as api, Kubelet(api, faults=task_fault, workdir=str(ROOT)) as kubelet:
+        yield api, kubelet

@@ -1,0 +1,33 @@
+"""A Ray driver in its own process for test_controller_ray_cluster.py: joins the cluster at argv[1],
+runs the async tool agent (one task sleeps past the 2 s timeout), prints the results as JSON. Its own
+process, so the Ray state of other tests in the session (a local runtime's auth mode) cannot leak in."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from lightning_middleware import TraceStore
+from lightning_middleware.controller import RayBackend, RolloutController
+from tests.controller import controller_agents as A
+
+
+def main() -> None:
+    address, store_url, base_url = sys.argv[1:4]
+    import ray
+
+    store = TraceStore(store_url)
+    tasks = [{"task_id": f"t{i}", "question": f"q {i}", "base_url": base_url, "store": store_url,
+              "sleep": 20 if i == 2 else 0.05} for i in range(3)]
+    with RolloutController(A.async_tool_agent, store=store, backend=RayBackend(address, num_workers=2),
+                           concurrency=4, timeout_s=2.0) as c:
+        results = c.run(tasks, n=2)
+        nodes = [n["Alive"] for n in ray.nodes()]
+        pids = c.backend.worker_pids()  # type: ignore[attr-defined]
+    print(json.dumps({"results": [[r.task_id, r.status, r.reward, r.rollout_id] for r in results],
+                      "nodes": nodes, "pids": pids, "driver": os.getpid()}))
+
+
+if __name__ == "__main__":
+    main()

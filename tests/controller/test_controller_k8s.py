@@ -1,0 +1,225 @@
+"""The Kubernetes Job backend against the emulated API server, through the official client over HTTP;
+the test kubelet runs every Job's container (the worker entrypoint) as a local process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_middleware import TraceStore
+from lightning_middleware.controller import KubernetesBackend, RetryPolicy, RolloutController, Sandbox
+from lightning_middleware.controller.backends.k8s import api_client, reap_jobs
+from lightning_middleware.controller.backends.k8s_template import RUN_LABEL, job_manifest, run_selector
+from lightning_middleware.controller.jobs import RolloutJob
+from lightning_middleware.testing import LLMTestServer
+from lightning_middleware.testing.k8s_api import K8sAPIServer
+from lightning_middleware.testing.kubelet import Kubelet
+from tests.controller import controller_agents as A
+from tests.controller.k8s_fixtures import ROOT, template
+
+pytest.importorskip("kubernetes")
+Cluster = tuple[K8sAPIServer, Kubelet]
+
+
+@pytest.fixture
+def sq(tmp_path: Path) -> TraceStore:
+    s = TraceStore(f"sqlite:///{tmp_path / 'traces.db'}")
+    yield s
+    s.close()
+
+
+def _backend(api: K8sAPIServer, **kw: Any) -> KubernetesBackend:
+    return KubernetesBackend(template(**kw.pop("template", {})), api_url=api.url, **kw)
+
+
+def test_rollouts_run_as_jobs_and_land_in_the_store(cluster: Cluster, llm_server: LLMTestServer,
+                                                    sq: TraceStore) -> None:
+    api, kubelet = cluster
+    sandbox = Sandbox(egress_to=({"ipBlock": {"cidr": "127.0.0.1/32"}},), read_only_root_fs=True)
+    backend = _backend(api, template={"ttl_seconds_after_finished": 3600, "sandbox": sandbox}, network_policy=True)
+    with RolloutController("tests.controller.controller_agents:tool_agent", store=sq, backend=backend,
+                           concurrency=4, timeout_s=60) as c:
+        results = c.run(A.make_tasks(llm_server, sq, 2), n=2)
+        jobs = api.objects("jobs", run_selector(backend.run_id))  # kept until their TTL, or close()
+    assert [r.status for r in results] == ["succeeded"] * 4 and all(r.reward == 1.0 for r in results)
+    assert all(len(sq.calls(r.rollout_id)) == 2 for r in results)  # the pods' LLM calls, recorded
+    assert sorted(j["metadata"]["labels"]["lightning-middleware/rollout"] for j in jobs) == \
+        sorted(r.rollout_id for r in results)
+    spec = jobs[0]["spec"]
+    assert spec["backoffLimit"] == 0 and spec["activeDeadlineSeconds"] == 90 and spec["ttlSecondsAfterFinished"] == 3600
+    env = {e["name"]: e.get("value") for e in spec["template"]["spec"]["containers"][0]["env"]}
+    assert env["LIGHTNING_AGENT"] == "tests.controller.controller_agents:tool_agent"
+    assert env["LIGHTNING_STORE_URL"] == sq.url.render_as_string(hide_password=False)
+    assert all(j["status"]["succeeded"] == 1 for j in jobs) and kubelet.pods_started == 4
+    assert spec["template"]["spec"]["automountServiceAccountToken"] is False
+    (policy,) = api.objects("networkpolicies")  # created at start, once
+    assert policy["spec"]["egress"][1] == {"to": [{"ipBlock": {"cidr": "127.0.0.1/32"}}]}
+    assert sq.query_rollouts(status="running") == [] and api.objects("jobs") == []  # close() deleted them
+
+
+def test_failures_are_classified_and_infrastructure_ones_retried(cluster: Cluster, llm_server: LLMTestServer,
+                                                                 sq: TraceStore) -> None:
+    api, kubelet = cluster
+    faults = ["oom", "image_pull", "evict", "node_lost"]
+    tasks = A.make_tasks(llm_server, sq, 8)
+    for t, fault in zip(tasks, faults):
+        t["fault"] = fault
+    tasks[4]["exit_code"] = 3  # the agent's process dies: failed with its last log lines, not retried
+    tasks[5]["sleep"] = 60  # the worker's own alarm: timeout, with the spans so far
+    tasks[6]["fault"] = "slow_start:30"  # never started in time: the Job's deadline (timeout 10 + grace 10 s)
+    tasks[7]["crash"] = True  # the agent raised: failed, not retried
+    backend = _backend(api, template={"startup_grace_s": 10.0})
+    with RolloutController("tests.controller.controller_agents:tool_agent", store=sq, backend=backend,
+                           concurrency=8, timeout_s=10.0, retry=RetryPolicy(max_attempts=2, backoff_s=0.05)) as c:
+        results = {r.task_id: r for r in c.run(tasks)}
+    for i, fault in enumerate(faults):
+        res = results[f"t{i}"]
+        assert res.status == "succeeded" and res.attempts == 2, (fault, res)
+        first = sq.get_rollout(res.rollout_ids[0])
+        assert first is not None and first.status == "failed"
+        want = {"oom": "PodOOMKilled: pod", "image_pull": "PodImagePullFailed", "evict": "PodEvicted",
+                "node_lost": "PodNodeLost"}[fault]
+        assert want in (first.error or ""), (fault, first.error)
+    assert "OOM-killed (memory limit 512Mi)" in (sq.get_rollout(results["t0"].rollout_ids[0]).error or "")
+    assert "ErrImagePull" in (sq.get_rollout(results["t1"].rollout_ids[0]).error or "") \
+        or "ImagePullBackOff" in (sq.get_rollout(results["t1"].rollout_ids[0]).error or "")
+    exited = results["t4"]
+    first_exit = sq.get_rollout(exited.rollout_ids[0])
+    assert exited.status == "failed" and exited.attempts == 1 and "exited with code 3" in exited.error, \
+        (exited, first_exit.error if first_exit else None)
+    assert "agent log line 29" in exited.error and "agent log line 5\n" not in exited.error  # the last 20 lines
+    assert len(sq.calls(exited.rollout_id)) == 1  # the span flushed before the exit stays
+    slow = results["t5"]
+    assert slow.status == "timeout" and "10s timeout" in slow.error and len(sq.calls(slow.rollout_id)) == 1
+    late = results["t6"]
+    assert late.status == "timeout" and "activeDeadlineSeconds (20s)" in late.error and late.attempts == 1
+    crash = results["t7"]
+    assert crash.status == "failed" and crash.error == "ValueError: tool exploded" and crash.attempts == 1
+    assert sq.query_rollouts(status="running") == []
+    assert not [p for p in api.objects("pods") if p["metadata"]["name"].startswith("rollout-")
+                and p["status"].get("containerStatuses", [{}])[0].get("state", {}).get("waiting")]  # pull: deleted
+
+
+def test_concurrency_limit_pause_and_drain(cluster: Cluster, llm_server: LLMTestServer, sq: TraceStore) -> None:
+    api, kubelet = cluster
+    backend = _backend(api, max_jobs=2)
+    c = RolloutController("tests.controller.controller_agents:tool_agent", store=sq, backend=backend, concurrency=4)
+    c.pause()
+    thread = c.start_continuous(A.make_tasks(llm_server, sq, 3, sleep=0.3), n=2, groups_in_flight=2)
+    time.sleep(1.5)
+    assert api.objects("jobs") == [] and c.stats.started == 0  # paused: no Job created
+    c.resume()
+    end = time.monotonic() + 60
+    while c.stats.groups_finished < 1 and time.monotonic() < end:
+        time.sleep(0.05)
+    assert c.drain(timeout=60)
+    created = len(api.objects("jobs"))
+    assert kubelet.active == 0
+    time.sleep(1.0)
+    assert len(api.objects("jobs")) == created and kubelet.active == 0  # drained: nothing new starts
+    c.resume()
+    time.sleep(0.5)
+    c.stop()
+    thread.join(120)
+    c.close()
+    assert kubelet.max_active == 2 and c.stats.max_in_flight == 4  # 4 waiting in the controller, 2 Jobs
+    assert all(r.status == "succeeded" for r in sq.query_rollouts())
+    assert api.objects("jobs", run_selector(backend.run_id)) == []  # close() deleted the run's Jobs
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_deletes_the_runs_jobs(cluster: Cluster, llm_server: LLMTestServer, sq: TraceStore,
+                                        tmp_path: Path, sig: signal.Signals) -> None:
+    api, kubelet = cluster
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(t) + "\n" for t in A.make_tasks(llm_server, sq, 3, sleep=60)))
+    tmpl = tmp_path / "pod.toml"
+    worker = [sys.executable, "-m", "lightning_middleware.cli", "rollouts", "worker"]  # the CLI entrypoint
+    tmpl.write_text("[pod]\nimage = 'lightning/rollout:test'\nnamespace = 'rollouts'\n"
+                    f"command = {json.dumps(worker)}\n"
+                    f"env = {{ PYTHONPATH = {json.dumps(str(ROOT))} }}\n")
+    cmd = [sys.executable, "-m", "lightning_middleware.cli", "rollouts", "run", "--agent",
+           "tests.controller.controller_agents:tool_agent", "--tasks", str(tasks), "--store",
+           sq.url.render_as_string(hide_password=False), "--backend", "k8s", "--k8s-template", str(tmpl),
+           "--k8s-api-url", api.url, "--concurrency", "3"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    end = time.monotonic() + 90
+    while len(sq.query_rollouts(status="running")) < 3 and time.monotonic() < end and proc.poll() is None:
+        time.sleep(0.1)
+    assert len(api.objects("jobs")) == 3, proc.stdout.read() if proc.poll() is not None else "no jobs"
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0, out
+    assert api.objects("jobs") == [] and api.objects("pods") == [], out
+    end = time.monotonic() + 10
+    while kubelet.active and time.monotonic() < end:
+        time.sleep(0.05)
+    assert kubelet.active == 0  # the pods' processes were stopped
+    ended = sq.query_rollouts()
+    assert len(ended) == 3 and all(r.status == "failed" and "deleted the rollout's Job" in r.error for r in ended)
+
+
+def test_reap_deletes_orphaned_jobs_by_label(cluster: Cluster, sq: TraceStore) -> None:
+    api, _ = cluster
+    client = api_client(api_url=api.url)
+    from kubernetes.client import BatchV1Api
+
+    batch = BatchV1Api(client)
+    tmpl = template(startup_grace_s=0.0, image="never/pulled:x")  # fault-free, but we delete before it matters
+    ids = ["a" * 32, "b" * 32, "c" * 32]
+    for rid, run in zip(ids, ["dead", "dead", "other"]):
+        job = RolloutJob(rollout_id=rid, task_id="t", task={}, store_url="sqlite://")
+        batch.create_namespaced_job("rollouts", job_manifest(tmpl, job, run_id=run, agent_ref="m:f"))
+    sq.heartbeat([ids[1]], owner="alive")  # its controller still heartbeats it
+    assert reap_jobs("rollouts", api=client, store=sq, older_than_s=60) == []  # too young to be orphans
+
+    def age_jobs() -> None:  # as if they were created ten minutes ago
+        for (plural, _, _), obj in api.store.objects.items():
+            if plural == "jobs":
+                obj["metadata"]["creationTimestamp"] = "2020-01-01T00:00:00Z"
+    api.call(age_jobs)
+    orphans = sorted(f"rollout-{r}" for r in (ids[0], ids[2]))
+    assert sorted(reap_jobs("rollouts", api=client, store=sq, older_than_s=60, dry_run=True)) == orphans
+    assert len(api.objects("jobs")) == 3  # a dry run deletes nothing
+    assert sorted(reap_jobs("rollouts", api=client, store=sq, older_than_s=60)) == orphans
+    sq.heartbeat([ids[1]], owner="alive", at=time.time() - 600)  # now its controller is gone too
+    assert reap_jobs("rollouts", api=client, store=sq, older_than_s=60) == [f"rollout-{ids[1]}"]
+    assert api.objects("jobs") == []
+    batch.create_namespaced_job("rollouts", job_manifest(tmpl, RolloutJob(ids[0], "t", {}), run_id="x",
+                                                         agent_ref="m:f"))
+    assert reap_jobs("rollouts", api=client, run_id="x") == [f"rollout-{ids[0]}"]
+    assert [j["metadata"]["labels"][RUN_LABEL] for j in api.objects("jobs")] == []
+
+
+def test_an_unreachable_api_server_fails_start_with_a_clear_error(sq: TraceStore) -> None:
+    from lightning_middleware.testing import free_port
+
+    backend = KubernetesBackend(template(), api_url=f"http://127.0.0.1:{free_port()}", start_timeout_s=2)
+    with RolloutController("tests.controller.controller_agents:tool_agent", store=sq, backend=backend) as c:
+        with pytest.raises(Exception, match="cannot list Jobs/Pods in namespace 'rollouts' within 2s") as err:
+            c.run([{"task_id": "a"}])
+    assert "Connection refused" in str(err.value) or "MaxRetryError" in str(err.value)
+
+
+def test_the_worker_entrypoint_refuses_a_bad_environment(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_middleware.controller.worker import run_worker
+
+    assert run_worker({}) == 2
+    assert "needs LIGHTNING_AGENT, LIGHTNING_ROLLOUT_JOB" in capsys.readouterr().err
+    assert run_worker({"LIGHTNING_AGENT": "m:f", "LIGHTNING_ROLLOUT_JOB": "{not json"}) == 2
+    assert "LIGHTNING_ROLLOUT_JOB is not a rollout job" in capsys.readouterr().err
+    job = json.dumps({"rollout_id": "r", "task_id": "t", "task": {}})
+    assert run_worker({"LIGHTNING_AGENT": "m:f", "LIGHTNING_ROLLOUT_JOB": job}) == 2
+    assert "needs LIGHTNING_STORE_URL" in capsys.readouterr().err
+    assert run_worker({"LIGHTNING_AGENT": "nosuch_mod:f", "LIGHTNING_ROLLOUT_JOB": job,
+                       "LIGHTNING_STORE_URL": "sqlite://"}) == 2
+    assert "cannot import the agent 'nosuch_mod:f'" in capsys.readouterr().err
