@@ -61,6 +61,8 @@ def test_server_command_and_urls(tmp_path: Path) -> None:
     for flag in ("--enforce-eager", "--enable-auto-tool-choice", "--worker-extension-cls"):
         assert flag in cmd
     assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes"
+    smol = VLLMServer(tmp_path, python=sys.executable, device="cpu", tool_parser="xlam").command()
+    assert smol[smol.index("--tool-call-parser") + 1] == "xlam"  # SmolLM2's <tool_call>[...] lists
     assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"  # the sampled distribution's
     assert cmd[cmd.index("--generation-config") + 1] == "vllm"  # API defaults, not the model's
     assert cmd[-2:] == ["--seed", "3"]

@@ -45,15 +45,20 @@ def add_cli(sub: Any) -> None:
                    help=f"learning rate reached at the end of the budget (linear decay; default {d.lr_end:g}, "
                         f"team {TEAM_LR[1]:g}); 0 or less: constant")
     p.add_argument("--sft-steps", type=int, default=None, help="warm-start SFT steps (default: the recipe's)")
-    p.add_argument("--model", default=None, help="start from this model folder instead of the warm start")
+    p.add_argument("--model", default=None,
+                   help="start from this model folder instead of the warm start; `smollm2`: SmolLM2-135M-Instruct "
+                        "with --task arith (demo/smol.py; --sft-steps 0: untouched, --max-steps 0: no RL)")
     p.add_argument("--threads", type=int, default=None, help="torch threads in the trainer")
     p.add_argument("--max-steps", type=int, default=None,
                    help="RL budget in steps (the lr schedule decays over it); --minutes still caps the time")
     p.add_argument("--warm-start-precision", choices=("auto", "bf16", "fp32"), default=d.warm_start_precision,
                    help="warm-start SFT precision (auto: bf16 only where the CPU computes it natively and faster)")
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy evaluations")
-    p.add_argument("--task", choices=("guess", "team"), default=d.task,
-                   help="guess: one agent; team: two LangGraph agents (scout, closer), each its own LoRA policy")
+    p.add_argument("--task", choices=("guess", "team", "arith"), default=d.task,
+                   help="guess: one agent; team: two LangGraph agents (scout, closer), each its own LoRA policy; "
+                        "arith: word problems with a calculator (--model smollm2)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="--model smollm2: train a LoRA adapter of this rank (0: the whole model)")
     p.add_argument("--shared-policy", action="store_true",
                    help="team: one LoRA policy for both agents (the comparison for separate policies)")
     p.set_defaults(func=run_cli)
@@ -71,7 +76,9 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
     lr_default, lr_end_default = TEAM_LR if args.task == "team" else (d.lr, d.lr_end)
     lr = lr_default if args.lr is None else args.lr
     lr_end = lr_end_default if args.lr_end is None else args.lr_end
+    smol = args.model == "smollm2"  # SmolDemoRun picks its own model
     default_out = f"runs/demo-{args.seed}-{mode}" if args.task == "guess" else \
+        f"runs/demo-smol-arith-{args.seed}" if smol else \
         f"runs/demo-team-{'shared' if args.shared_policy else 'separate'}-{args.seed}"
     return DemoConfig(out_dir=args.out or default_out, seed=args.seed, minutes=args.minutes,
                       task=args.task, shared_policy=args.shared_policy,
@@ -83,14 +90,19 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
                       lr_end=lr_end if lr_end and lr_end > 0 else None,
                       lr_warmup_steps=max(0, args.lr_warmup_steps),
                       sft_steps=args.sft_steps, warm_start_precision=args.warm_start_precision,
-                      threads=args.threads, model_dir=args.model,
+                      threads=args.threads, model_dir=None if smol else args.model,
                       max_steps=args.max_steps, greedy=not args.no_greedy,
+                      extra={"lora_rank": args.lora_rank} if smol and args.lora_rank > 0 else {},
                       progress=sys.stderr.isatty() or os.environ.get("LIGHTNING_PROGRESS") == "1")
 
 
 def run_cli(args: argparse.Namespace) -> int:
     if args.shared_policy and args.task != "team":
         print("lightning-mw demo: --shared-policy is for --task team", file=sys.stderr)
+        return 2
+    smol = args.model == "smollm2"
+    if smol != (args.task == "arith"):
+        print("lightning-mw demo: --task arith goes with --model smollm2 (and smollm2 with arith)", file=sys.stderr)
         return 2
     cfg = config_from(args)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -111,7 +123,11 @@ def run_cli(args: argparse.Namespace) -> int:
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background by a shell
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        if cfg.task == "team":
+        if smol:
+            from trainer_backend.demo.smol import SmolDemoRun
+
+            run_demo(cfg, SmolDemoRun)
+        elif cfg.task == "team":
             from trainer_backend.demo.team import TeamDemoRun
 
             run_demo(cfg, TeamDemoRun)

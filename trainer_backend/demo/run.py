@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class DemoConfig:
     out_dir: str = "runs/demo"
-    task: str = "guess"  # guess | team (demo/team.py: two LangGraph agents, a LoRA policy each)
+    task: str = "guess"  # guess | team (demo/team.py: two LangGraph agents, a LoRA policy each) | arith (smol.py)
     shared_policy: bool = False  # team: one adapter for both roles, for comparison
     seed: int = 0  # RL: train/eval task draws (vLLM sampling itself is not seeded, see make_agent)
     warm_start_seed: int = 0  # the warm start (tokenizer, init, SFT order); shared by RL seeds, cached

@@ -85,9 +85,12 @@ class VLLMServer:
         watchdog: bool = True,
         max_lora_rank: int | None = None,
         max_loras: int = 4,
+        tool_parser: str = "hermes",
     ) -> None:
         """`max_lora_rank`: serve LoRA adapters up to this rank, loaded at run time by name
-        (`WeightPublisher(adapter_name=...)`), at most `max_loras` of them in one batch."""
+        (`WeightPublisher(adapter_name=...)`), at most `max_loras` of them in one batch.
+        `tool_parser`: vLLM's `--tool-call-parser` for the model's tool-call format (hermes for
+        `<tool_call>{...}</tool_call>`; xlam for SmolLM2's `<tool_call>[{...}]</tool_call>` lists)."""
         self.model_dir = Path(model_dir).expanduser().resolve()
         self.host = host
         self.port = port if port is not None else free_port(host)
@@ -105,6 +108,7 @@ class VLLMServer:
         self.watchdog = watchdog
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras
+        self.tool_parser = tool_parser
         self._proc: subprocess.Popen[bytes] | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -133,7 +137,7 @@ class VLLMServer:
             "--max-model-len", str(self.max_model_len),
             "--dtype", self.dtype,
             "--enforce-eager",
-            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--enable-auto-tool-choice", "--tool-call-parser", self.tool_parser,
             "--worker-extension-cls", WORKER_EXTENSION,
             # Log-probs of the distribution each token was sampled from (after temperature and
             # top-k/top-p), the behaviour policy the trainer's ratio compares with; and the API's
