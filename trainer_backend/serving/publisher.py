@@ -119,38 +119,49 @@ class WeightPublisher:
             return self._publish_adapters(ckpt, tag, adapters)
         if not any(Path(ckpt).glob("*.safetensors")):  # fail before pausing anything
             raise PublishError(f"no *.safetensors in {ckpt}")
-        t: dict[str, float] = {}
         with httpx.Client(timeout=self.timeout) as c:
             before = self._rpc(c, "lightning_checksum", {}).get("checksum")
-            t_start = time.perf_counter()
-            gw_paused = swapped = False
-            engine_paused_at: float | None = None
-            try:
-                if self.gateway is not None:
-                    gateway = self.gateway
-                    _timed(t, "gateway_pause", lambda: gateway.pause(timeout=self.timeout))
-                    gw_paused = True
-                _timed(t, "engine_pause", lambda: _ok(c.post(f"{self.server_url}/pause", params={"mode": "wait"})))
-                engine_paused_at = time.perf_counter()
-                info = _timed(t, "reload", lambda: self._rpc(c, "lightning_reload", {"weights_path": ckpt}))
-                if "error" in info:
+            def reload() -> dict[str, Any]:
+                info = self._rpc(c, "lightning_reload", {"weights_path": ckpt})
+                if "error" in info:  # the worker answers a failed reload, saying if it restored the old weights
                     state = "previous weights restored" if info.get("restored") else "WEIGHTS MAY BE MIXED"
                     raise PublishError(f"reload of {ckpt} failed ({state}): {info['error']}")
-                _timed(t, "reset_cache", lambda: self._reset_prefix_cache(c))
-                _timed(t, "tag", lambda: _ok(c.post(f"{self.server_url}/update_weight_version",
-                                                    json={"new_version": tag})))
-                swapped = True
-            finally:
-                t_resume = time.perf_counter()
-                # Resume even if the pause call itself failed: it may have taken
-                # effect server-side, and /resume on a running engine is harmless.
-                self._resume(c, gw_paused, _int_tag(tag) if swapped else None)
-                t["resume"] = time.perf_counter() - t_resume
-                paused_s = time.perf_counter() - engine_paused_at if engine_paused_at else 0.0
-            total = time.perf_counter() - t_start
+                return info
+
+            t, paused_s, total, info = self._swap(c, tag, reload)
             reported = _ok(c.get(f"{self.server_url}/weight_info")).json().get("weight_version")
             after = self._rpc(c, "lightning_checksum", {})["checksum"]
         return self._result(ckpt, tag, t, paused_s, total, before, after, info, reported)
+
+    def _swap(self, c: httpx.Client, tag: str,
+              reload: Callable[[], Any]) -> tuple[dict[str, float], float, float, Any]:
+        """Pause (gateway, then engine), `reload`, reset the prefix cache, tag, resume: the steps
+        of every publish, timed. Returns (timings, engine paused s, total s, what reload returned)."""
+        t: dict[str, float] = {}
+        t_start = time.perf_counter()
+        gw_paused = swapped = False
+        engine_paused_at: float | None = None
+        info: Any = None
+        try:
+            if self.gateway is not None:
+                gateway = self.gateway
+                _timed(t, "gateway_pause", lambda: gateway.pause(timeout=self.timeout))
+                gw_paused = True
+            _timed(t, "engine_pause", lambda: _ok(c.post(f"{self.server_url}/pause", params={"mode": "wait"})))
+            engine_paused_at = time.perf_counter()
+            info = _timed(t, "reload", reload)
+            _timed(t, "reset_cache", lambda: self._reset_prefix_cache(c))
+            _timed(t, "tag", lambda: _ok(c.post(f"{self.server_url}/update_weight_version",
+                                                json={"new_version": tag})))
+            swapped = True
+        finally:
+            t_resume = time.perf_counter()
+            # Resume even if the pause call itself failed: it may have taken
+            # effect server-side, and /resume on a running engine is harmless.
+            self._resume(c, gw_paused, _int_tag(tag) if swapped else None)
+            t["resume"] = time.perf_counter() - t_resume
+            paused_s = time.perf_counter() - engine_paused_at if engine_paused_at else 0.0
+        return t, paused_s, time.perf_counter() - t_start, info
 
     def _adapters_in(self, ckpt: Path) -> list[tuple[str, Path]]:
         """(served name, folder) of the LoRA adapters a checkpoint holds: itself (under
@@ -167,30 +178,13 @@ class WeightPublisher:
         missing = [str(path) for _, path in adapters if not (path / "adapter_model.safetensors").is_file()]
         if missing:  # fail before pausing anything
             raise PublishError(f"no adapter_model.safetensors in {', '.join(missing)}")
-        t: dict[str, float] = {}
         with httpx.Client(timeout=self.timeout) as c:
-            t_start = time.perf_counter()
-            gw_paused = swapped = False
-            engine_paused_at: float | None = None
-            try:
-                if self.gateway is not None:
-                    gateway = self.gateway
-                    _timed(t, "gateway_pause", lambda: gateway.pause(timeout=self.timeout))
-                    gw_paused = True
-                _timed(t, "engine_pause", lambda: _ok(c.post(f"{self.server_url}/pause", params={"mode": "wait"})))
-                engine_paused_at = time.perf_counter()
-                _timed(t, "reload", lambda: [_ok(c.post(f"{self.server_url}/v1/load_lora_adapter", json={
-                    "lora_name": name, "lora_path": str(path), "load_inplace": True})) for name, path in adapters])
-                _timed(t, "reset_cache", lambda: self._reset_prefix_cache(c))
-                _timed(t, "tag", lambda: _ok(c.post(f"{self.server_url}/update_weight_version",
-                                                    json={"new_version": tag})))
-                swapped = True
-            finally:
-                t_resume = time.perf_counter()
-                self._resume(c, gw_paused, _int_tag(tag) if swapped else None)
-                t["resume"] = time.perf_counter() - t_resume
-                paused_s = time.perf_counter() - engine_paused_at if engine_paused_at else 0.0
-            total = time.perf_counter() - t_start
+            def reload() -> None:
+                for name, path in adapters:
+                    _ok(c.post(f"{self.server_url}/v1/load_lora_adapter",
+                               json={"lora_name": name, "lora_path": str(path), "load_inplace": True}))
+
+            t, paused_s, total, _ = self._swap(c, tag, reload)
             reported = _ok(c.get(f"{self.server_url}/weight_info")).json().get("weight_version")
         problems = () if reported == tag else (f"server reports version {reported!r}, expected {tag!r}",)
         log.info("published adapters %s from %s as %s in %.3f s (paused %.4f s)",
