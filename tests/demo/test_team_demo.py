@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-# The measured runs (docs/policies.md): +21.9 pp in 20 steps, +18.4 pp in the 9 steps a heavily
-# loaded machine allowed in 6 minutes, +19.5 pp with the team's reward only; at 256 tasks the
-# one-sigma noise of a difference is ~4.4 pp, so 8 pp sits > 2 sigma below the lowest. 12 steps
-# keep the suite's time down (the 9-step run already gained +18.4 pp).
-CI_STEPS = 12
-CI_MAX_MINUTES = 8.0
+# The measured runs (docs/policies.md): +21.9 pp (20 steps, loaded machine), +12.1 pp (20
+# steps, quiet machine), +18.4 pp (9 steps), +19.5 pp (team reward only); a 12-step run gained
+# only +9.0 pp (the lr still warming up), hence 20 steps. At 256 tasks the one-sigma noise of a
+# difference is ~4.4 pp; 5 pp sits about 2 sigma below the runs' mean (~16 pp).
+CI_STEPS = 20
+CI_MAX_MINUTES = 10.0
 CI_EVAL_TASKS = 256
-CI_MIN_GAIN_PP = 8.0
+CI_MIN_GAIN_PP = 5.0
 
 
 @pytest.mark.slow
@@ -43,7 +43,7 @@ def test_short_team_demo_trains_each_role_on_its_own_adapter(tmp_path: Path) -> 
           + ", ".join(f"{k} {v['before']:.1%} -> {v['after']:.1%}" for k, v in roles.items())
           + f" in {res['steps']} steps")
     assert res["before"]["sampled"]["errors"] == 0 and res["after"]["sampled"]["errors"] == 0
-    assert res["steps"] >= 9, f"only {res['steps']} of {CI_STEPS} steps within {CI_MAX_MINUTES:g} min"
+    assert res["steps"] >= 15, f"only {res['steps']} of {CI_STEPS} steps within {CI_MAX_MINUTES:g} min"
     # each role's calls went to its own adapter, named by its LangGraph node; none to the base name
     db = sqlite3.connect(out / "traces.db")
     pairs = set(db.execute("select agent_name, model from llm_calls"))
