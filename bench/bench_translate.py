@@ -39,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_gateway import _pct, _rollout_urls, _start_gateway  # noqa: E402
+from bench_gateway import _one, _pct, _rollout_urls, _start_gateway  # noqa: E402
 
 from lightning_middleware.formats import FORMATS, Format  # noqa: E402
 from lightning_middleware.testing import LLMTestServer, free_port  # noqa: E402
@@ -59,18 +59,6 @@ def _bodies(i: int, stream: bool, salt: str) -> dict[str, dict]:
         "messages": {"model": "m", "max_tokens": 32, "stream": stream, "system": SYSTEM,
                      "messages": [{"role": "user", "content": question}]},
     }
-
-
-async def _one(session: aiohttp.ClientSession, url: str, body: dict) -> float:
-    t0 = time.perf_counter()
-    async with session.post(url, data=orjson.dumps(body), headers={"content-type": "application/json"}) as r:
-        if body["stream"]:
-            async for _ in r.content.iter_any():
-                pass
-        else:
-            await r.read()
-        assert r.status == 200, (r.status, await r.text())
-    return time.perf_counter() - t0
 
 
 async def _interleaved(base: str, stream: bool, total: int) -> dict[str, list[float]]:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from importlib.metadata import entry_points
+from typing import Any
 
 from lightning_middleware.errors import UsageError
 
@@ -35,7 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    return _dispatch(parser, parser.parse_args(argv))
+
+
+def run_command(name: str, add_cli: Callable[[Any], None], argv: list[str] | None = None) -> int:
+    """`python -m <a command's module> ...` = `lightning-mw NAME ...`, without the installed
+    entry points (a checkout not yet reinstalled): the same parsing, logging and errors."""
+    parser = argparse.ArgumentParser(prog="lightning-mw")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_cli(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    return _dispatch(parser, parser.parse_args([name, *(sys.argv[1:] if argv is None else argv)]))
+
+
+def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any
 
@@ -55,16 +54,10 @@ def _cli_reap(args: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m lightning_middleware.deploy.cli ...` = `lightning-mw k8s ...` (before a reinstall
-    registers the entry point)."""
-    parser = argparse.ArgumentParser(prog="lightning-mw")
-    add_cli(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["k8s", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args) or 0)
-    except UsageError as exc:
-        print(f"lightning-mw k8s: {exc}", file=sys.stderr)
-        return 2
+    """`python -m lightning_middleware.deploy.cli ...` = `lightning-mw k8s ...`."""
+    from lightning_middleware.cli import run_command
+
+    return run_command("k8s", add_cli, argv)
 
 
 if __name__ == "__main__":

@@ -134,16 +134,10 @@ def _label(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m lightning_middleware.rewards.cli ...`: the same command without the entry point."""
-    parser = argparse.ArgumentParser(prog="lightning-mw")
-    add_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["rewards", *(sys.argv[1:] if argv is None else argv)])
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return int(args.func(args) or 0)
-    except UsageError as exc:
-        print(f"lightning-mw rewards: {exc}", file=sys.stderr)
-        return 2
+    """`python -m lightning_middleware.rewards.cli ...` = `lightning-mw rewards ...`."""
+    from lightning_middleware.cli import run_command
+
+    return run_command("rewards", add_cli, argv)
 
 
 if __name__ == "__main__":

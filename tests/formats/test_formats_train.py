@@ -8,7 +8,6 @@ The deterministic test server's token IDs are UTF-8 bytes, so a tiny random Qwen
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,14 +40,11 @@ def calc(query: str) -> str:
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "tiny_bytes_model"
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                                   tie_word_embeddings=True)
-    transformers.Qwen2ForCausalLM(cfg).save_pretrained(d)
-    (d / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 2048}))
-    return d
+    from tests.trainer.tiny_models import save_tiny_qwen2
+
+    # byte-level: the test server's token IDs are UTF-8 bytes
+    return save_tiny_qwen2(tmp_path / "tiny_bytes_model", vocab=260, hidden=32, layers=1, heads=2, kv_heads=1,
+                           max_positions=2048)
 
 
 @pytest.fixture

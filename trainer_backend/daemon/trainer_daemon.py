@@ -213,13 +213,17 @@ class TrainerDaemon:
         """Claim the next batch, or None if not enough usable groups are ready yet."""
         g = self.config.group
         trainable: list[tuple[list[Rollout], list[Rollout]]] = []  # (group members, usable members)
-        for ready in self._ready_groups():
+        groups = self._ready_groups()
+        # separate policies: the roles' own rewards are signal too (one query for every ready group)
+        per_agent = (self.store.agent_rewards([r.id for m in groups for r in m])
+                     if g.skip_uniform and isinstance(self.engine, RoutesRows) else {})
+        for ready in groups:
             reviewed = self.rewards.review(ready)
             if reviewed is None:  # a configured component is still to come: the group waits
                 continue
             members = reviewed
             usable, reasons = self._filter(members)
-            if g.skip_uniform and len(self._reward_profiles(usable)) == 1:
+            if g.skip_uniform and len({_reward_profile(r, per_agent) for r in usable}) == 1:
                 reasons["uniform_reward"] += len(usable)
                 usable = []
             if len(usable) < g.min_group_size:
@@ -259,15 +263,6 @@ class TrainerDaemon:
             if len(members) >= g.group_size or now - oldest > g.group_timeout_s:
                 ready.append(members[: g.group_size])
         return ready
-
-    def _reward_profiles(self, rollouts: Sequence[Rollout]) -> set[tuple[Any, ...]]:
-        """The distinct rewards of a group: a group with one carries no signal. With separate
-        policies per agent, each rollout's per-agent rewards count too (the team's reward may be
-        equal while the roles' differ)."""
-        if not isinstance(self.engine, RoutesRows):
-            return {(r.final_reward,) for r in rollouts}
-        per_agent = self.store.agent_rewards([r.id for r in rollouts])
-        return {(r.final_reward, *sorted(per_agent.get(r.id, {}).items())) for r in rollouts}
 
     def _take(self, members: Sequence[Rollout]) -> bool:
         """Claim a whole group or nothing (another daemon got part of it)."""
@@ -427,6 +422,12 @@ class TrainerDaemon:
             **self.rewards.step_metrics(rollouts),
             **publish,
         }
+
+
+def _reward_profile(r: Rollout, per_agent: dict[str, dict[str, float]]) -> tuple[Any, ...]:
+    """What a group's members must differ in to carry signal: the rollout's reward and, with
+    separate policies per agent, its roles' own rewards (the team's may be equal while theirs differ)."""
+    return (r.final_reward, *sorted(per_agent.get(r.id, {}).items()))
 
 
 def _quartiles(values: Sequence[float]) -> list[float]:
