@@ -47,11 +47,7 @@ def tool_agent(task: dict[str, Any]) -> float:
     for _ in range(4):
         reply = client.chat.completions.create(model="m", messages=messages, tools=TOOLS).choices[0].message
         messages.append(reply.model_dump(exclude_none=True))
-        if task.get("pidfile") and not os.path.exists(task["pidfile"]):
-            current_rollout().store.flush()  # the span is on disk before we announce ourselves
-            with open(task["pidfile"] + ".tmp", "w") as f:
-                f.write(str(os.getpid()))
-            os.replace(task["pidfile"] + ".tmp", task["pidfile"])
+        if task.get("pidfile") and not os.path.exists(task["pidfile"]) and _announce(task["pidfile"]):
             time.sleep(60)  # wait to be killed
         if task.get("sleep"):
             time.sleep(task["sleep"])
@@ -110,6 +106,26 @@ def max_overlap(rollouts: Any) -> int:
         cur += d
         best = max(best, cur)
     return best
+
+
+def _announce(pidfile: str) -> bool:
+    """Write this process's pid to `pidfile` unless another rollout of the task got there first.
+
+    The rollouts of one task run side by side, so the pid goes to a file of its own and is then
+    hard-linked into place: the link is atomic and fails if the pidfile exists, so exactly one
+    agent is killed and the others finish their rollouts.
+    """
+    current_rollout().store.flush()  # the span is on disk before we announce ourselves
+    tmp = f"{pidfile}.{os.getpid()}.{threading.get_ident()}"
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid()))
+    try:
+        os.link(tmp, pidfile)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.remove(tmp)
 
 
 def kill_when_announced(pidfile: str, timeout_s: float = 60.0) -> threading.Thread:

@@ -127,7 +127,7 @@ def test_sqlite_locked_by_a_long_writer(tmp_path: Path, llm_server: LLMTestServe
     client = wrap(openai.OpenAI(base_url=llm_server.base_url, api_key="x"), store=store)
     import sqlite3
 
-    locker = sqlite3.connect(path, isolation_level=None)
+    locker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)  # the timer releases it
     locker.execute("BEGIN EXCLUSIVE")
     release_at = time.monotonic() + 3.0
     timer = threading.Timer(3.0, locker.rollback)
