@@ -1,14 +1,19 @@
-"""Rows to padded micro-batches: a greedy split by padded tokens, tensors shifted to the
+"""Rows to padded micro-batches: a greedy split by padded tokens (and an estimate of the
+activations they keep for backward), tensors shifted to the
 position that predicts each token (the step-normalised loss weights come in per row)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from lightning_middleware.rows import Row
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,40 @@ def split_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[in
     if current:
         batches.append(current)
     return batches
+
+
+def activation_bytes_per_token(*, layers: int, hidden: int, intermediate: int | None, dtype_bytes: int,
+                               checkpointed: bool = False) -> int:
+    """What autograd keeps per token of a micro-batch for backward in a Llama/Qwen2-style decoder.
+
+    Per layer ~13 hidden-sized tensors (norms, q/k/v/o, rotary, residuals, the attention's
+    per-head copies) and ~5 intermediate-sized ones (gate, up, SiLU, product): counted on
+    SmolLM2-135M's shape with saved-tensor hooks (docs/benchmarks.md), 1.85 MB a token in fp32
+    against this formula's 1.82. With gradient checkpointing only each layer's input is kept,
+    plus one layer's tensors while it is recomputed."""
+    inter = intermediate if intermediate is not None else 4 * hidden
+    one_layer = (13 * hidden + 5 * inter) * dtype_bytes
+    if checkpointed:
+        return layers * hidden * dtype_bytes + one_layer
+    return layers * one_layer
+
+
+def token_budget(model_config: Any, cap: int, budget_mb: float | None, *, dtype_bytes: int,
+                 checkpointed: bool) -> int:
+    """Padded tokens per micro-batch: `cap`, lowered so that the activations autograd keeps for
+    backward stay within `budget_mb` (SmolLM2-135M keeps ~1.8 MB a token in fp32: 8,192 tokens
+    would be 15 GB; a tiny test model's budget stays at the cap)."""
+    if budget_mb is None:
+        return cap
+    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    per_token = activation_bytes_per_token(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
+                                           intermediate=getattr(cfg, "intermediate_size", None),
+                                           dtype_bytes=dtype_bytes, checkpointed=checkpointed)
+    tokens = max(1, int(budget_mb * 2**20 // per_token))
+    if tokens < cap:
+        log.info("micro-batches of at most %d tokens (activation budget %g MB, ~%.2f MB a token)",
+                 tokens, budget_mb, per_token / 2**20)
+    return min(tokens, cap)
 
 
 def make_micro_batch(rows: Sequence[Row], index: Sequence[int], weights: Sequence[torch.Tensor],

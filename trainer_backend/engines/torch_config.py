@@ -20,6 +20,14 @@ class TorchEngineConfig:
     grad_clip: float | None = 1.0
     loss: LossConfig = LossConfig()
     micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) per micro-batch
+    # Lowers micro_batch_tokens so that the activations kept for backward stay within this many MB
+    # (batching.activation_bytes_per_token's estimate; SmolLM2-135M in fp32: ~1.8 MB a token, so
+    # 8,192 tokens would keep ~15 GB). None: micro_batch_tokens alone.
+    activation_budget_mb: float | None = 4096
+    # The output layer and log-softmax run on chunks of positions whose fp32 logits fit in this many
+    # MB, recomputed in backward (engines/head.py); one chunk, no recompute, when all fit. None:
+    # the model's own forward computes all kept positions' logits at once.
+    logits_budget_mb: float | None = 256
     old_logprobs: str = "behaviour"  # "behaviour" (vLLM's) | "recompute" (current weights, before the update)
     freeze_embeddings: bool = False  # with tied embeddings this also freezes the LM head
     # "fp32"; "bf16-autocast": fp32 weights, matmuls in bf16 under torch.autocast (a cast per weight

@@ -31,8 +31,8 @@ from lightning_middleware.rows import Row
 from trainer_backend.algorithms.dpo import pairs_from_rows, rollout_coefficients
 from trainer_backend.algorithms.grpo import loss_weights, policy_loss, token_logprobs_entropy
 from trainer_backend.algorithms.sampling import sampled_logits
-from trainer_backend.engines import lora, model_advantages
-from trainer_backend.engines.batching import MicroBatch, make_micro_batch, split_micro_batches
+from trainer_backend.engines import head, lora, model_advantages
+from trainer_backend.engines.batching import MicroBatch, make_micro_batch, split_micro_batches, token_budget
 from trainer_backend.engines.critic import Critic
 from trainer_backend.engines.precision import resolve_precision
 from trainer_backend.engines.torch_config import LR_SCHEDULES, PRECISIONS, STATE_FILE, TorchEngineConfig, lr_factor
@@ -122,6 +122,9 @@ class TorchEngine:
         self.resumed = self._load_state(self.source_dir / STATE_FILE)
         pad = self.model.config.pad_token_id
         self.pad_id = int(pad) if pad is not None else 0
+        self.micro_batch_tokens = token_budget(self.model.config, config.micro_batch_tokens,
+                                               config.activation_budget_mb, dtype_bytes=2 if config.precision == "bf16"
+                                               else 4, checkpointed=config.gradient_checkpointing)
         log.info("TorchEngine: %s, %.2fM trainable params, %s, version %d", self.source_dir,
                  sum(p.numel() for p in self.params) / 1e6, config.precision, policy_version)
 
@@ -182,19 +185,28 @@ class TorchEngine:
         logits: prompts and tool results are most of an agent's tokens, and the
         output layer plus the vocabulary softmax are a large share of a small
         model's step. Other positions read 0 and carry weight 0 everywhere.
-        The vocabulary-wide work (log-softmax, entropy, their backward) runs in
-        cache-sized chunks on the logits in their own dtype (grpo.token_logprobs_entropy).
+        The output layer runs in chunks of positions (engines/head.py) so that only
+        `logits_budget_mb` of logits live at once; the vocabulary-wide work (log-softmax,
+        entropy, their backward) runs in cache-sized chunks on the logits in their own
+        dtype (grpo.token_logprobs_entropy).
         """
         keep = (mb.weights != 0).any(0).nonzero().squeeze(-1).to(self.device)
-        with self._autocast():
-            logits = model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device),
-                           use_cache=False, logits_to_keep=keep).logits  # (B, K, V)
         targets = mb.targets.to(self.device)[:, keep]
-        if mb.temperature is not None or mb.top_p is not None or mb.top_k is not None:
-            # the distribution each token was sampled from (algorithms/sampling.py)
-            logits = sampled_logits(logits, *(None if t is None else t.to(self.device)[:, keep]
-                                              for t in (mb.temperature, mb.top_p, mb.top_k)))
-        logp_k, ent_k = token_logprobs_entropy(logits, targets, with_entropy)
+        sampling = tuple(None if t is None else t.to(self.device)[:, keep]
+                         for t in (mb.temperature, mb.top_p, mb.top_k))
+        ids, attn = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
+        split = head.split_head(model) if self.config.logits_budget_mb is not None else None
+        with self._autocast():
+            if split is not None:
+                decoder, out = split
+                hidden = decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state[:, keep]
+                chunk = head.chunk_positions(out.out_features, self.config.logits_budget_mb or 0.0)
+                logp_k, ent_k = head.head_logprobs(hidden, out, targets, sampling, with_entropy, chunk)
+            else:
+                logits = model(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=keep).logits
+                if any(t is not None for t in sampling):  # the distribution each token was sampled from
+                    logits = sampled_logits(logits, *sampling)
+                logp_k, ent_k = token_logprobs_entropy(logits, targets, with_entropy)
         logp = logp_k.new_zeros(mb.targets.shape).index_copy(1, keep, logp_k)
         entropy = None
         if ent_k is not None:
@@ -250,7 +262,7 @@ class TorchEngine:
         cfg = self.config.loss
         weights = loss_weights([torch.tensor(r.loss_mask) for r in rows], [r.rollout_id for r in rows], cfg.agg)
         batches = [make_micro_batch(rows, idx, weights, self.pad_id)
-                   for idx in split_micro_batches([len(r) for r in rows], self.config.micro_batch_tokens)]
+                   for idx in split_micro_batches([len(r) for r in rows], self.micro_batch_tokens)]
         # Old log-probs first, for every micro-batch, so that all are taken before any update. With
         # truncated importance sampling the old policy is the current one: every forward below
         # runs before the update, so its detached log-probs are it (no extra forward).
@@ -324,7 +336,7 @@ class TorchEngine:
         pairs = pairs_from_rows([r.task_id for r in rows], [r.rollout_id for r in rows], [r.advantage for r in rows])
         weights = [torch.tensor(r.loss_mask, dtype=torch.float32) for r in rows]  # a plain sum over response tokens
         batches = [make_micro_batch(rows, idx, weights, self.pad_id)
-                   for idx in split_micro_batches([len(r) for r in rows], self.config.micro_batch_tokens)]
+                   for idx in split_micro_batches([len(r) for r in rows], self.micro_batch_tokens)]
         logp: dict[str, float] = dict.fromkeys((r.rollout_id for r in rows), 0.0)
         ref_logp = dict(logp)
         with torch.no_grad():
@@ -383,7 +395,7 @@ class TorchEngine:
         self._activate()
         weights = loss_weights([torch.tensor(r.loss_mask) for r in rows], [r.rollout_id for r in rows], "token-mean")
         out: list[tuple[float, ...]] = [()] * len(rows)
-        for idx in split_micro_batches([len(r) for r in rows], self.config.micro_batch_tokens):
+        for idx in split_micro_batches([len(r) for r in rows], self.micro_batch_tokens):
             mb = make_micro_batch(rows, idx, weights, self.pad_id)
             logp, _ = self._forward(self.model, mb, with_entropy=False)
             for b, i in enumerate(idx):
