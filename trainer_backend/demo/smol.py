@@ -36,6 +36,10 @@ POLICY = "policy"  # the served name the agent calls and RL trains (the model, o
 MAX_TURNS = 3  # model calls per episode: a call, the answer, one spare
 SFT_STEPS = 16
 MAX_CONCURRENCY = 32
+# The trainer's activations per micro-batch (~1,100 padded tokens of this model in fp32): a step
+# peaked at 4.8 GB RSS with it, where the engine's 8,192-token micro-batches peaked at 13.1 GB
+# and were OOM-killed beside the vLLM server on a shared 24 GiB machine (docs/demo.md).
+ACTIVATION_BUDGET_MB = 2048
 
 
 def calculator_tool() -> Any:
@@ -162,7 +166,8 @@ class SmolDemoRun(DemoRun):
         if self._lora_engine is None:
             assert self.model_dir is not None
             lora = AdapterConfig(rank=self.lora_rank, alpha=2 * self.lora_rank) if self.lora_rank else None
-            self._lora_engine = TorchEngine(self.model_dir, replace(config, lora=lora))
+            self._lora_engine = TorchEngine(self.model_dir, replace(config, lora=lora,
+                                                                   activation_budget_mb=ACTIVATION_BUDGET_MB))
         return self._lora_engine
 
     def _publisher(self) -> WeightPublisher:
