@@ -6,6 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+TITLES = {"guess": "guess-the-number agent (LangChain), rollout-level GRPO",
+          "team": "a two-agent LangGraph team, a LoRA policy per role",
+          "arith": "SmolLM2-135M-Instruct, calculator agent (LangChain), GRPO"}
+
 
 def plot_curve(results: dict[str, Any] | list[tuple[str, dict[str, Any]]], path: str | Path, smooth: int = 5) -> Path:
     """Training success per step (and its moving average) against minutes of RL, with the
@@ -40,9 +44,7 @@ def plot_curve(results: dict[str, Any] | list[tuple[str, dict[str, Any]]], path:
     ax.set_ylabel("success (train rollouts, T=1)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    team = runs[0][1]["config"].get("task") == "team"
-    ax.set_title("lightning-mw demo: " + ("a two-agent LangGraph team, a LoRA policy per role" if team
-                                          else "guess-the-number agent (LangChain), rollout-level GRPO"))
+    ax.set_title("lightning-mw demo: " + TITLES.get(runs[0][1]["config"].get("task"), TITLES["guess"]))
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     path = Path(path)
