@@ -333,3 +333,25 @@ def test_every_other_combination_is_accepted():
     for name in credit.PER_TURN_ALGORITHMS:
         assert credit.check("per-turn", name, kl_in_reward=name == "ppo") == "per-turn"
     assert credit.check("rollout", "dpo", level="sample") == "rollout"
+
+
+def test_the_flags_and_the_file_reach_the_daemon(tmp_path):
+    import argparse
+
+    from trainer_backend.daemon.cli import add_cli, settings_from
+    from trainer_backend.daemon.settings import SettingsError, TrainerSettings
+
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args(["trainer", "--credit", "per-turn", "--credit-gamma", "0.9", "--algo", "rloo"])
+    config = settings_from(args).trainer_config()
+    assert (config.credit, config.credit_gamma, config.algorithm) == ("per-turn", 0.9, "rloo")
+    assert TrainerSettings().trainer_config().credit == "rollout"  # the default
+    path = tmp_path / "trainer.toml"
+    path.write_text('[algorithm]\nname = "dpo"\ncredit = "per-turn"\n')
+    with pytest.raises(SettingsError) as err:
+        TrainerSettings.load(path)
+    assert "algorithm.credit: credit 'per-turn' needs per-token advantages" in str(err.value)
+    path.write_text('[algorithm]\ncredit = "per-step"\n')
+    with pytest.raises(SettingsError, match="algorithm.credit: Input should be 'rollout' or 'per-turn'"):
+        TrainerSettings.load(path)
