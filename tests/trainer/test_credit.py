@@ -270,6 +270,51 @@ def test_per_turn_without_step_rewards_equals_rollout_level(name, seed):
         assert t.advantage == pytest.approx(r.advantage, abs=TOL)
 
 
+def _mask_runs(row: Row) -> list[list[int]]:
+    """The positions of each run of trained tokens: one run per call in `_random_batch`'s rows (an
+    observation token always follows a completion there)."""
+    runs: list[list[int]] = []
+    for i, m in enumerate(row.loss_mask):
+        if m and (i == 0 or not row.loss_mask[i - 1]):
+            runs.append([])
+        if m:
+            runs[-1].append(i)
+    return runs
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_per_turn_grpo_with_step_rewards_on_random_batches_against_the_closed_form(seed):
+    spec = _random_batch(seed)
+    rng = random.Random(100 + seed)
+    steps = {rid: {c.call_index: rng.choice([-1.0, 0.5, 2.0]) for c in calls if rng.random() < 0.5}
+             for rid, (_, _, calls) in spec.items()}
+    gamma = 0.8
+    rollouts, rows, given = batch(spec, steps, gamma=gamma)
+    index_of = {c.id: c.call_index for _, _, calls in spec.values() for c in calls}
+    # G_k = sum_{j >= k} gamma^(j-k) s_j + gamma^(K-k) R, over the rollout's trained calls
+    returns: dict[str, dict[int | None, float]] = {}
+    for rid, (_, final, _) in spec.items():
+        ks = sorted(index_of[c] for row in rows if row.rollout_id == rid for c in row.call_ids)
+        returns[rid] = {k: sum(gamma ** j * steps[rid].get(kk, 0.0) for j, kk in enumerate(ks[i:]))
+                        + gamma ** (len(ks) - 1 - i) * final for i, k in enumerate(ks)} or {None: final}
+    expected: dict[tuple[str, int | None], float] = {}
+    for task in {t for t, _, _ in spec.values()}:
+        members = [rid for rid, (t, _, _) in spec.items() if t == task]
+        samples = [(rid, k, g, 1 / len(returns[rid])) for rid in members for k, g in returns[rid].items()]
+        n = len(members)
+        mean = sum(w * g for _, _, g, w in samples) / n
+        std = math.sqrt(sum(w * (g - mean) ** 2 for _, _, g, w in samples) / (n - 1)) if n > 1 else 0.0
+        uniform = len({g for _, _, g, _ in samples}) == 1
+        for rid, k, g, _ in samples:
+            expected[(rid, k)] = 0.0 if n < 2 or uniform else (g - mean) / (std + EPS)
+    for row in per_turn("grpo", rollouts, rows, given):
+        runs = _mask_runs(row)
+        assert len(runs) == len(row.call_ids)
+        for call_id, positions in zip(row.call_ids, runs):
+            want = expected[(row.rollout_id, index_of[call_id])]
+            assert [row.token_advantages[p] for p in positions] == pytest.approx([want] * len(positions), abs=TOL)
+
+
 def test_ppo_per_turn_sets_token_rewards_and_no_advantages():
     rollouts, rows, given = batch({"a": ("t", 1.0, three_turns("a")), "b": ("t", 0.0, three_turns("b"))},
                                   {"a": {0: 0.5, 1: -1.0}})

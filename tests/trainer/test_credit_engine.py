@@ -78,9 +78,12 @@ def test_micro_batches_carry_each_tokens_advantage():
     assert mb.advantages[1, 4:].tolist() == pytest.approx([rows[2].advantage] * 4)  # padding: weight 0
 
 
-def test_per_turn_step_is_exact_across_micro_batches(model_dir):
+@pytest.mark.parametrize("loss", [LossConfig(), LossConfig(agg="seq-mean-token-mean", ratio_level="sequence",
+                                                dual_clip_c=None)], ids=["grpo", "gspo"])
+def test_per_turn_step_is_exact_across_micro_batches(model_dir, loss):
     rows = per_turn_rows()
-    one, many = _sgd_step(model_dir, rows, micro_batch_tokens=10_000), _sgd_step(model_dir, rows, micro_batch_tokens=9)
+    one = _sgd_step(model_dir, rows, micro_batch_tokens=10_000, loss=loss)
+    many = _sgd_step(model_dir, rows, micro_batch_tokens=9, loss=loss)
     assert one[0]["micro_batches"] == 1 and many[0]["micro_batches"] >= 3
     _assert_same_step(one, many)
 
