@@ -121,6 +121,19 @@ def test_postgres_restarted_under_load_loses_nothing(llm_server: LLMTestServer) 
                     answered[rid] = 2
                     n += 1
 
+        down = threading.Event()
+
+        def finisher(url: str) -> None:
+            """A rollout opened before the outage and finished during it: its finish must be retried."""
+            with httpx.Client(base_url=url, timeout=60) as http:
+                rid = uuid.uuid4().hex
+                post_retrying(http, "/rollouts", {"task_id": "finisher", "id": rid})
+                down.wait(30)
+                body = {"model": "m", "messages": [{"role": "user", "content": "during the outage"}]}
+                http.post(f"/rollouts/{rid}/v1/chat/completions", json=body).raise_for_status()
+                post_retrying(http, f"/rollouts/{rid}/finish", {"reward": 1.0})
+                answered[rid] = 1
+
         def guarded(fn: Any, *args: Any) -> None:
             try:
                 fn(*args)
@@ -130,10 +143,12 @@ def test_postgres_restarted_under_load_loses_nothing(llm_server: LLMTestServer) 
         with Gateway([llm_server.base_url], store, health_interval_s=0) as gw:
             threads = [threading.Thread(target=guarded, args=(wrap_agent, k)) for k in range(6)]
             threads += [threading.Thread(target=guarded, args=(gateway_agent, k, gw.url)) for k in range(4)]
+            threads.append(threading.Thread(target=guarded, args=(finisher, gw.url)))
             for t in threads:
                 t.start()
             time.sleep(2.0)
             pg.stop()  # in the middle of the agents' writes
+            down.set()
             time.sleep(2.0)
             pending_down = store.writer_stats().pending
             t_start = time.monotonic()
