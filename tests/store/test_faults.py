@@ -128,9 +128,9 @@ def test_postgres_restarted_under_load_loses_nothing(llm_server: LLMTestServer) 
             with httpx.Client(base_url=url, timeout=60) as http:
                 rid = uuid.uuid4().hex
                 post_retrying(http, "/rollouts", {"task_id": "finisher", "id": rid})
-                down.wait(30)
-                body = {"model": "m", "messages": [{"role": "user", "content": "during the outage"}]}
+                body = {"model": "m", "messages": [{"role": "user", "content": "before the outage"}]}
                 http.post(f"/rollouts/{rid}/v1/chat/completions", json=body).raise_for_status()
+                down.wait(30)
                 post_retrying(http, f"/rollouts/{rid}/finish", {"reward": 1.0})
                 answered[rid] = 1
 
@@ -150,6 +150,9 @@ def test_postgres_restarted_under_load_loses_nothing(llm_server: LLMTestServer) 
             pg.stop()  # in the middle of the agents' writes
             down.set()
             time.sleep(2.0)
+            end = time.monotonic() + 20  # and until the finisher's finish has been refused (a loaded machine)
+            while not any(path.endswith("/finish") for path in unavailable) and time.monotonic() < end:
+                time.sleep(0.05)
             pending_down = store.writer_stats().pending
             t_start = time.monotonic()
             pg.start()
