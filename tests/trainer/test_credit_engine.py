@@ -254,3 +254,26 @@ def test_daemon_per_turn_without_step_rewards_takes_the_rollout_level_step(llm_s
 def test_the_daemon_refuses_per_turn_dpo(tmp_path):
     with pytest.raises(ValueError, match="'dpo' compares whole rollouts"):
         TrainerConfig(checkpoint_dir=str(tmp_path), algorithm="dpo", credit="per-turn")
+
+
+def test_ppo_per_turn_from_the_settings_through_the_daemon(llm_server, bytes_model, tmp_path):
+    """The same rollouts with and without per-step rewards: PPO's returns (its value loss) move with them."""
+    from trainer_backend.daemon.settings import TrainerSettings
+
+    results = {}
+    for name, first_step in (("with", 1.0), ("without", None)):
+        store = TraceStore(f"sqlite:///{tmp_path / name}.db")
+        _rollouts(llm_server, store, {t: [(1.0, first_step), (0.0, None), (1.0, first_step), (0.0, None)]
+                                      for t in ("a", "b")})
+        s = TrainerSettings.load(None, {"algorithm.name": "ppo", "algorithm.credit": "per-turn", "critic.lr": 1e-3,
+                                        "group.size": 4, "group.per_step": 2, "run.model": str(bytes_model),
+                                        "run.checkpoints": str(tmp_path / f"ckpt-{name}"), "engine.precision": "fp32",
+                                        "optim.lr": 1e-3})
+        torch.manual_seed(0)  # the same value head in both runs
+        with TrainerDaemon(store, TorchEngine(bytes_model, s.engine_config()), s.trainer_config()) as daemon:
+            results[name] = daemon.step_once()
+    with_steps, without = results["with"], results["without"]
+    assert with_steps is not None and without is not None
+    assert with_steps.metrics["step_rewards_used"] == 4 and without.metrics["step_rewards_used"] == 0
+    assert with_steps.metrics["vf_loss"] > 0 and without.metrics["vf_loss"] > 0
+    assert with_steps.metrics["vf_loss"] != pytest.approx(without.metrics["vf_loss"], rel=1e-3)
