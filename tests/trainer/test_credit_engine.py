@@ -277,3 +277,24 @@ def test_ppo_per_turn_from_the_settings_through_the_daemon(llm_server, bytes_mod
     assert with_steps.metrics["step_rewards_used"] == 4 and without.metrics["step_rewards_used"] == 0
     assert with_steps.metrics["vf_loss"] > 0 and without.metrics["vf_loss"] > 0
     assert with_steps.metrics["vf_loss"] != pytest.approx(without.metrics["vf_loss"], rel=1e-3)
+
+
+def test_late_per_step_rewards_are_waited_for_and_used(llm_server, bytes_model, tmp_path):
+    """A judge scores each turn after the rollouts ended: `[rewards] wait_for` holds the groups
+    until its per-step rewards are in, then per-turn credit trains on them."""
+    from lightning_middleware import Reward
+    from trainer_backend.daemon.reward_gate import RewardPolicy
+
+    store = TraceStore(f"sqlite:///{tmp_path / 'late'}.db")
+    _rollouts(llm_server, store, {"a": [(1.0, None), (0.0, None)] * 2, "b": [(0.0, None)] * 4})
+    with _daemon(store, bytes_model, tmp_path / "ckpt", credit="per-turn",
+                 rewards=RewardPolicy(wait_for={"judge": 600})) as daemon:
+        assert daemon.step_once() is None  # waiting for the judge
+        for task in ("a", "b"):  # half of each group's first turns judged 0.5
+            for i, r in enumerate(store.query_rollouts(task_id=task)):
+                store.submit_reward(Reward(rollout_id=r.id, value=0.5 * (i % 2), name="judge", final=False,
+                                           call_index=0))
+        store.flush()
+        result = daemon.step_once()
+    assert result is not None and result.metrics["n_groups"] == 2  # b's turns now differ
+    assert result.metrics["step_rewards_used"] == 8 and result.metrics["step_reward_sum"] == pytest.approx(2.0)
