@@ -298,3 +298,25 @@ def test_late_per_step_rewards_are_waited_for_and_used(llm_server, bytes_model, 
         result = daemon.step_once()
     assert result is not None and result.metrics["n_groups"] == 2  # b's turns now differ
     assert result.metrics["step_rewards_used"] == 8 and result.metrics["step_reward_sum"] == pytest.approx(2.0)
+
+
+def test_ppo_returns_carry_each_step_reward_from_its_token_on():
+    """With values 0 and gamma = lam = 1 the returns are the reward-to-go: at each response token,
+    the per-step rewards of its call and later ones plus the rollout's reward."""
+    from trainer_backend.engines import model_advantages
+
+    rows = [dataclasses.replace(r, token_advantages=None, reward=1.0) for r in per_turn_rows() if r.rollout_id == "a"]
+    steps = {0: {3: 0.5, 5: -0.25}, 1: {3: 2.0}}  # row -> position -> reward (ends of calls)
+    rows = [dataclasses.replace(r, token_rewards=tuple(steps[i].get(p, 0.0) for p in range(len(r))))
+            for i, r in enumerate(rows)]
+    w = [torch.tensor(r.loss_mask, dtype=torch.float32) for r in rows]
+    batches = [make_micro_batch(rows, [0], w), make_micro_batch(rows, [1], w)]
+    zeros = [torch.zeros(mb.targets.shape) for mb in batches]
+    out = model_advantages.compute(rows, batches, zeros, LossConfig(), critic=CriticConfig(),
+                                   values=lambda mb: torch.zeros(mb.targets.shape), ref_logprobs=None)
+    assert out.returns is not None
+    # the rollout's response tokens in order: row 0 at 2 3 5 7 8, row 1 at 2 3
+    expected = {0: {2: 3.25, 3: 3.25, 5: 2.75, 7: 3.0, 8: 3.0}, 1: {2: 3.0, 3: 3.0}}
+    for i, ret in enumerate(out.returns):
+        got = {p + 1: float(ret[0, p]) for p in range(ret.shape[1]) if rows[i].loss_mask[p + 1]}
+        assert got == pytest.approx(expected[i]), i

@@ -23,7 +23,8 @@
         ppo           no advantage here: each per-step reward is a token reward at the last token
                       of its call's completion, inside GAE (the critic is the baseline)
 
-    Groups of one and groups whose returns are all equal get 0, as with rollout credit. A
+    Groups of one and groups whose returns are all equal get 0, as with rollout credit (before
+    reinforce_pp's whitening, which takes the latter in, as at rollout level). A
     rollout without a trained call stands in its group's statistics with R_r, weight 1. A call's
     advantage goes to the tokens of its completion in its row (`rewards.steps.completion_spans`):
     a merged row holding several calls has different advantages on their tokens.
