@@ -115,3 +115,28 @@ def test_the_daemon_ranks_each_ready_group_before_training(llm_server, store: Tr
         asked = store.calls(r.id)[0].request["messages"][0]["content"]
         assert ranked.value == pytest.approx(5 / 6 if asked in ("b try 0", "b try 2") else 1 / 6)
         assert r.final_reward == pytest.approx(agent + 2.0 * ranked.value)  # what the step trained on
+
+
+def test_the_reward_config_comes_from_the_trainer_file(store: TraceStore, tmp_path) -> None:
+    from trainer_backend.daemon.reward_gate import RewardGate
+    from trainer_backend.daemon.settings import TrainerSettings
+
+    rewards = tmp_path / "rewards.toml"
+    rewards.write_text('[rules]\nagent_reward = 1.0\n[rank_judge]\nurl = "http://127.0.0.1:9/v1"\nmodel = "j"\n')
+    trainer = tmp_path / "trainer.toml"
+    trainer.write_text(f'[run]\nstore = "sqlite://"\nmodel = "m"\n[rewards]\nconfig = "{rewards}"\n')
+    policy = TrainerSettings.load(trainer).trainer_config().rewards
+    assert policy.config == str(rewards)
+    assert RewardGate(store, policy).policy.version == RewardConfig.load(rewards).hash  # trained on its version
+    rewards.write_text("[rank_judge]\nurl = 1\n")
+    with pytest.raises(ValueError, match="needs the judge's url and model"):
+        RewardGate(store, policy)
+
+
+def test_a_config_without_a_judge_is_scored_by_the_daemon_too(llm_server, store: TraceStore, model_dir,
+                                                               tmp_path) -> None:
+    run_rollouts(llm_server, store, TASKS)  # the agents scored nothing under the configuration
+    cfg = RewardConfig.from_dict({"rules": {"agent_reward": 3.0}})
+    [result] = make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg)).run(max_steps=1)
+    assert result.metrics["n_rollouts"] == 8 and result.metrics["reward_max"] == 3.0
+    assert not any(k.startswith("rank_judge") for k in result.metrics)

@@ -10,10 +10,10 @@ version to train on, which components to wait for, and the per-step hacking rate
   passes; then `on_deadline` trains without it ("train_without", counted per step as
   `rewards_trained_without_<name>`) or skips the rollout ("skip", counted as
   `skipped_late_<name>`). `rewards_waiting` is how many rollouts were waiting at the step.
-- `config`: a reward configuration (a `RewardConfig` or its file) with a ranking judge
-  (`[rank_judge]`): a ready group whose members are not ranked yet is scored by the daemon,
-  the judge ranking the group once, just before it trains (rollouts scored as they end have no
-  group yet: their final reward waits for this). The daemon then trains on that
+- `config`: a reward configuration (a `RewardConfig` or its file): a ready group with a member
+  that has no final reward (nor ranking) under it is scored by the daemon just before it
+  trains, a ranking judge (`[rank_judge]`) ranking the group once (rollouts scored as they end
+  have no group yet: their final reward waits for this). The daemon trains on that
   configuration's version. Per step: `rank_judge_groups` (ranked), `rank_judge_failed` (no
   ranking: the judge failed or its answers were never readable; with on_error "drop" those
   rollouts are skipped, counted as `rank_judge_failed`), `rank_judge_groups_of_one`,
@@ -98,7 +98,7 @@ class RewardGate:
                 late_by_id[r.id] = late
         if len(late_by_id) < len(members):
             return None
-        if self._unranked(members, stored):
+        if self._unscored(members, stored):
             members, stored = self._rank(members)
         out = []
         for r in members:
@@ -113,16 +113,16 @@ class RewardGate:
             out.append(r)
         return out
 
-    def _unranked(self, members: Sequence[Rollout], stored: Mapping[str, Sequence[Reward]]) -> bool:
-        """A member has neither the ranking judge's value nor a final reward of the configuration."""
-        if self.scorer is None or self.scorer.config.rank_judge is None:
+    def _unscored(self, members: Sequence[Rollout], stored: Mapping[str, Sequence[Reward]]) -> bool:
+        """A member has neither a final reward of the configuration nor its ranking judge's value."""
+        if self.scorer is None:
             return False
         h = self.scorer.hash
         return any(not any(x.config_hash == h and x.name in (RANK_JUDGE, FINAL) for x in stored.get(r.id, []))
                    for r in members)
 
     def _rank(self, members: Sequence[Rollout]) -> tuple[list[Rollout], Mapping[str, Sequence[Reward]]]:
-        """Score the group under the configuration (the judge ranks it once); the members as stored now."""
+        """Score the group under the configuration (a ranking judge ranks it once); the members as stored now."""
         assert self.scorer is not None
         trajectories = load_trajectories(self.store, members)
         scored, ranking = self.scorer.score_group(trajectories)
