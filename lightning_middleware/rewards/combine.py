@@ -99,6 +99,7 @@ class Scorer:
         self._functions = {c.name: resolve(c, builtins[c.kind]) for c in config.components}
         self._scorer = local_scorer(config.reward_model) if config.reward_model else None
         self._zeroing = {c.name for c in config.guards if c.action == "zero"}
+        self._hinted = False  # the "waiting for its group" hint is logged once per scorer
 
     # -- computing -----------------------------------------------------------------
     def _run(self, c: Component, t: Trajectory) -> ComponentValue:
@@ -231,6 +232,11 @@ class Scorer:
         records = self.records(scored, t.rewards, final=apply != "none",
                                outdated=movable and r.final_reward != scored.final)
         applied = store.add_rewards(records, force_final=apply == "all")
+        if scored.pending and not self._hinted:
+            self._hinted = True
+            log.info("rollout %s waits for its group's ranking before it has a final reward under %s: run the "
+                     "trainer with --reward-config (it ranks each ready group) or `lightning-mw rewards rescore`",
+                     t.rollout.id, self.hash)
         if scored.final is None and not scored.pending:
             log.warning("rollout %s has no final reward under %s: %s", t.rollout.id, self.hash, scored.errors)
         return Written(scored, len(records), t.rollout.id in applied)

@@ -20,6 +20,7 @@ absent, and the final reward's metadata says why.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 from collections.abc import Mapping, Sequence
@@ -150,7 +151,7 @@ def candidate_order(group: Sequence[Trajectory], shuffle: bool) -> list[Trajecto
 def render_group(group: Sequence[Trajectory], labels: Sequence[str], max_chars: int) -> str:
     """The task once, then each candidate under its letter, all cut to about `max_chars`."""
     first = group[0].rollout.input
-    task = "-" if first is None else str(first)
+    task = "-" if first is None else json.dumps(first, ensure_ascii=False, default=str)
     task = task[: max_chars // 4]
     share = max(_MIN_SHARE, (max_chars - len(task) - 40 * len(group)) // len(group))
     parts = [f"Task:\n{task}"]
