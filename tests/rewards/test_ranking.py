@@ -84,6 +84,16 @@ def test_a_ranking_that_is_not_one_of_exactly_the_candidates_fails(r: tuple[list
         parse_ranking("Ranking: " + " > ".join(flat), labels)
 
 
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(st.text(), st.text(alphabet="ABCD >=,:.*[]()\n0123456789Ranking")))
+def test_any_answer_is_a_full_ranking_or_a_parse_error(text: str) -> None:
+    try:
+        ranks = parse_ranking(text, ["A", "B", "C"])
+    except RankParseError:
+        return
+    assert sorted(ranks) == ["A", "B", "C"] and sum(ranks.values()) == 6  # ranks 1..3, ties averaged
+
+
 @pytest.mark.parametrize("text, why", [
     ("They are all quite good, hard to say.", "no 'Ranking:' line"),
     ("", "no 'Ranking:' line"),
