@@ -41,6 +41,7 @@ DEFAULT_RANK_PROMPT = (
     "sentence of reason."
 )
 SINGLETON = "group of 1: nothing to rank against"
+MAX_CANDIDATES = 26 * 27  # A..Z, AA..ZZ: the labels an answer can name
 _MIN_SHARE = 200  # characters a candidate gets even in a very large group
 _LETTER = r"(?:[Cc]andidate\s+)?[\[(*\"']*([A-Z]{1,2})[\])*\"'.]*"
 _RANKING_LINE = re.compile(r"^[\W_]*ranking[\W_]*?[:=\-]\s*(.*)$", re.IGNORECASE | re.MULTILINE)
@@ -178,6 +179,9 @@ def rank_group(group: Sequence[Trajectory], cfg: RankJudgeConfig) -> GroupRankin
     """Ask the judge to rank `group`; never raises for the judge's failures (they are the error)."""
     if len(group) < 2:
         return GroupRanking(note=SINGLETON)
+    if len(group) > MAX_CANDIDATES:
+        return GroupRanking(error=f"a group of {len(group)} is too large to rank in one answer (at most "
+                                  f"{MAX_CANDIDATES}); use smaller groups")
     ordered = candidate_order(group, cfg.shuffle)
     labels = letters(len(ordered))
     messages = [{"role": "system", "content": _prompt(cfg, labels)},
