@@ -133,12 +133,17 @@ class RankJudgeConfig:
     shuffle: bool = True  # candidates in an order drawn from their ids, so no rollout is always "A"
 
     def __post_init__(self) -> None:
-        if not self.url or not self.model:
-            raise ConfigError("[rank_judge] needs the judge's url and model")
-        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
-            raise ConfigError(f"rank_judge.retries must be a whole number >= 0, got {self.retries!r}")
-        if isinstance(self.max_chars, bool) or not isinstance(self.max_chars, int) or self.max_chars < 200:
-            raise ConfigError(f"rank_judge.max_chars must be a whole number >= 200, got {self.max_chars!r}")
+        if not (isinstance(self.url, str) and self.url and isinstance(self.model, str) and self.model):
+            raise ConfigError("[rank_judge] needs the judge's url and model (text)")
+        for key, least in (("retries", 0), ("max_chars", 200), ("max_tokens", 1)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"rank_judge.{key} must be a whole number >= {least}, got {value!r}")
+        for key in ("prompt", "api_key_env"):
+            if getattr(self, key) is not None and not isinstance(getattr(self, key), str):
+                raise ConfigError(f"rank_judge.{key} must be text, got {getattr(self, key)!r}")
+        if not isinstance(self.shuffle, bool):
+            raise ConfigError(f"rank_judge.shuffle must be true or false, got {self.shuffle!r}")
 
     def describe(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in sorted(_RANK_KEYS - {"api_key_env", "timeout_s", "retries"})}

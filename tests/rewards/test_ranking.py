@@ -184,8 +184,13 @@ def test_the_judges_settings_are_in_the_hash_and_checked() -> None:
         RewardConfig.from_dict({"rank_judge": {"url": "u", "model": "m", "temperature": 1}})
     with pytest.raises(ConfigError, match="needs the judge's url and model"):
         RewardConfig.from_dict({"rank_judge": {"url": "u"}})
-    with pytest.raises(ConfigError, match="retries must be a whole number"):
-        RewardConfig.from_dict({"rank_judge": {"url": "u", "model": "m", "retries": -1}})
+    for bad, why in (({"retries": -1}, "retries must be a whole number >= 0"),
+                     ({"max_chars": 10}, "max_chars must be a whole number >= 200"),
+                     ({"max_tokens": 1.5}, "max_tokens must be a whole number"),
+                     ({"shuffle": "yes"}, "shuffle must be true or false"), ({"prompt": 3}, "prompt must be text"),
+                     ({"url": 1}, "needs the judge's url and model"), ({"weight": "x"}, "weight must be a finite")):
+        with pytest.raises(ConfigError, match=why):
+            RewardConfig.from_dict({"rank_judge": {"url": "u", "model": "m", **bad}})
     with pytest.raises(ConfigError, match="takes no .reward_model. or .rank_judge."):
         RewardConfig.from_dict({"reward_type": "rule", "rules": {"succeeded": 1},
                                 "rank_judge": {"url": "u", "model": "m"}})
