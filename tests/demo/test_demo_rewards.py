@@ -8,13 +8,14 @@ docs/rewards.md."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from lightning_middleware import Rollout, RolloutStatus, TraceStore
+from lightning_middleware import Reward, Rollout, RolloutStatus, TraceStore
 from lightning_middleware.controller import RolloutController
-from lightning_middleware.rewards import RewardConfig, Scorer
+from lightning_middleware.rewards import RewardConfig, Score, Scorer, Trajectory
 from lightning_middleware.rewards.trajectory import build_trajectory
 from lightning_middleware.testing import LLMTestServer
 from tests.rewards.helpers import tool_call
@@ -26,24 +27,36 @@ from trainer_backend.demo.run import DemoConfig, DemoRun
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "rewards"
 
 
-def _guesses(secret: int | None, guesses: list[object]) -> object:
+def _guesses(secret: int | None, guesses: list[object], reported: float | None = None) -> Trajectory:
+    """A stored rollout of the guess task: its calls, and the agent's own reward if `reported`."""
     rollout = Rollout(id="r", task_id="t", status=RolloutStatus.SUCCEEDED,
                       input=None if secret is None else {"secret": secret})
     calls = [tool_call(i, "guess", {"n": g}, offered=("guess",)) for i, g in enumerate(guesses)]
-    return build_trajectory(rollout, calls, [])
+    return build_trajectory(rollout, calls, [] if reported is None else [Reward("r", reported, name="agent")])
+
+
+def _found(score: Score | None) -> Score:
+    assert score is not None
+    return score
+
+
+def _final(scorer: Scorer, t: Trajectory) -> float:
+    final = scorer.score(t).final
+    assert final is not None
+    return final
 
 
 def test_demo_guards_positives_and_negatives() -> None:
     bisection = _guesses(5, [8, 4, 6, 5])  # exact bisection for 5: four guesses, all needed
     assert demo_rewards.tool_call_bonus(bisection) == 4.0
-    assert demo_rewards.extra_guesses(bisection).value == 0.0
-    assert demo_rewards.wasted_guesses(bisection).value == 0.0
+    assert _found(demo_rewards.extra_guesses(bisection)).value == 0.0
+    assert _found(demo_rewards.wasted_guesses(bisection)).value == 0.0
     stalling = _guesses(8, [1, 2, 3, 8])  # 8 needs one guess; three stall, each still possible
-    assert demo_rewards.extra_guesses(stalling).value == 3.0
-    assert demo_rewards.extra_guesses(stalling).detail == {"guesses": 4, "needed": 1}
-    assert demo_rewards.wasted_guesses(stalling).value == 0.0
+    assert _found(demo_rewards.extra_guesses(stalling)).value == 3.0
+    assert _found(demo_rewards.extra_guesses(stalling)).detail == {"guesses": 4, "needed": 1}
+    assert _found(demo_rewards.wasted_guesses(stalling)).value == 0.0
     wasted = _guesses(5, [8, 8, 12, "x"])  # a repeat, one ruled out by "lower", one not a number
-    assert demo_rewards.wasted_guesses(wasted).detail == {"wasted": [1, 2, 3]}
+    assert _found(demo_rewards.wasted_guesses(wasted)).detail == {"wasted": [1, 2, 3]}
     assert demo_rewards.extra_guesses(_guesses(None, [1, 2])) is None  # no secret stored: absent
     assert demo_rewards.wasted_guesses(_guesses(None, [1, 2])) is None
 
@@ -55,24 +68,25 @@ def test_example_configurations_load_and_resolve(name: str) -> None:
     assert cfg.weights["task_complete"] == 1.0 and len(cfg.hash) == 16
 
 
-def _reported(t: object, value: float) -> object:
-    from lightning_middleware import Reward
-
-    tr = t  # a Trajectory
-    return build_trajectory(tr.rollout, tr.calls, [Reward("r", value, name="agent")])  # type: ignore[attr-defined]
-
-
 def test_hybrid_success_dominates_and_the_guarded_bonus_stops_paying_for_stalling() -> None:
     hybrid = Scorer(RewardConfig.load(EXAMPLES / "hybrid.toml"))
-    worst_success = hybrid.score(_reported(_guesses(5, [8, 8, 8, 5]), 1.0)).final
-    best_failure = hybrid.score(_reported(_guesses(5, [8, 4, 6, 7]), 0.0)).final
-    assert worst_success is not None and best_failure is not None and worst_success > best_failure + 0.4
+    worst_success = _final(hybrid, _guesses(5, [8, 8, 8, 5], reported=1.0))  # every penalty it can earn
+    best_failure = _final(hybrid, _guesses(5, [8, 4, 6, 7], reported=0.0))  # well-formed calls, no secret
+    assert worst_success > best_failure + 0.4
     hackable = Scorer(RewardConfig.load(EXAMPLES / "hackable.toml"))
     guarded = Scorer(RewardConfig.load(EXAMPLES / "hackable-guarded.toml"))
-    honest = _reported(_guesses(8, [8]), 1.0)
-    stall = _reported(_guesses(8, [1, 2, 3, 8]), 1.0)
-    assert hackable.score(stall).final > hackable.score(honest).final  # the hack pays...
-    assert guarded.score(stall).final == guarded.score(honest).final  # ... and not under the guards
+    honest = _guesses(8, [8], reported=1.0)
+    stall = _guesses(8, [1, 2, 3, 8], reported=1.0)
+    assert _final(hackable, stall) > _final(hackable, honest)  # the hack pays...
+    assert _final(guarded, stall) == _final(guarded, honest)  # ... and not under the guards
+
+
+@pytest.fixture
+def llm() -> Iterator[LLMTestServer]:
+    """A test LLM of the test's own: LangChain caches its async HTTP client by base URL, and a
+    client bound to an earlier test's event loop fails with "Event loop is closed"."""
+    with LLMTestServer() as server:
+        yield server
 
 
 def _errors(store: TraceStore) -> list[str | None]:
@@ -97,10 +111,10 @@ wasted_guesses = { function = "trainer_backend.demo.rewards:wasted_guesses", wei
 
 
 def test_evaluation_reports_the_tasks_own_success_under_a_paying_reward(
-        llm_server: LLMTestServer, store: TraceStore, tmp_path: Path) -> None:
+        llm: LLMTestServer, store: TraceStore, tmp_path: Path) -> None:
     config = tmp_path / "pays.toml"
     config.write_text(PAYS_FOR_CALLS)
-    agent = make_agent(llm_server.base_url, store, max_tokens=256)
+    agent = make_agent(llm.base_url, store, max_tokens=256)
     with RolloutController(agent, store=store, backend="asyncio", concurrency=4, timeout_s=60,
                            rewards=str(config)) as c:
         res = evaluate(c, _tasks(4), temperature=1.0, tag="t", store=store)
@@ -118,8 +132,8 @@ def test_evaluation_reports_the_tasks_own_success_under_a_paying_reward(
 
 
 def test_evaluation_without_a_configuration_reads_the_agents_reward(
-        llm_server: LLMTestServer, store: TraceStore) -> None:
-    agent = make_agent(llm_server.base_url, store, max_tokens=256)
+        llm: LLMTestServer, store: TraceStore) -> None:
+    agent = make_agent(llm.base_url, store, max_tokens=256)
     with RolloutController(agent, store=store, backend="asyncio", concurrency=4, timeout_s=60) as c:
         res = evaluate(c, _tasks(2), temperature=1.0, tag="t", store=store)
     assert res["errors"] == 0, _errors(store)

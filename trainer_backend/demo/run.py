@@ -35,12 +35,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_middleware.controller import RolloutController, RolloutResult
-from lightning_middleware.rewards import RewardConfig, load_config
+from lightning_middleware.rewards import RewardConfig, Scorer, load_config
 from lightning_middleware.store import TraceStore
 from trainer_backend.daemon.trainer_daemon import GroupPolicy, StepResult, TrainerConfig, TrainerDaemon
 from trainer_backend.demo.agent import SERVED_NAME, evaluate, make_agent
 from trainer_backend.demo.outcomes import curve_summary, report_line, step_outcomes
 from trainer_backend.demo.report import plot_curve
+from trainer_backend.demo.schedule import lr_at, spent
 from trainer_backend.demo.task import make_tasks
 from trainer_backend.demo.warm_start import WarmStartConfig, warm_start
 from trainer_backend.serving.env import ensure_vllm_env, lightning_home
@@ -120,9 +121,10 @@ class DemoRun:
         self.eval_tasks = make_tasks(cfg.eval_tasks, cfg.seed, "eval")
         self.train_tasks = make_tasks(cfg.train_tasks, cfg.seed, "train")
         self.model_dir = Path(cfg.model_dir) if cfg.model_dir else None
-        # Loaded (and every function resolved) before anything starts: a bad file fails fast.
+        # Loaded, and every function resolved (Scorer), before anything starts: a bad file fails fast.
         self.reward_config: RewardConfig | None = load_config(cfg.rewards) if cfg.rewards else None
         if self.reward_config is not None:
+            Scorer(self.reward_config)
             self.results["rewards"] = {"path": str(Path(cfg.rewards or "").resolve()), "hash": self.reward_config.hash,
                                        "name": self.reward_config.name, "config": self.reward_config.describe()}
         self.store: TraceStore | None = None
@@ -429,29 +431,6 @@ def _extras_of(cfg: DemoConfig) -> dict[str, Any]:
     if cfg.algo == "dpo":
         return {"dpo": DPOConfig(beta=0.1)}
     return {}
-
-
-def lr_at(cfg: DemoConfig, step: int, spent: float) -> float:
-    """The learning rate of RL step `step` (1-based) with `spent` of the budget used.
-
-    Linear warm-up over the first `lr_warmup_steps` steps (Adam's first updates move every
-    weight by ~lr, whatever the gradient's size), then a linear decay by the share of the
-    budget spent, to `lr_end` at its end.
-    """
-    if step <= cfg.lr_warmup_steps:
-        return cfg.lr * step / cfg.lr_warmup_steps
-    if cfg.lr_end is None:
-        return cfg.lr
-    return cfg.lr + (cfg.lr_end - cfg.lr) * min(1.0, max(0.0, spent))
-
-
-def spent(cfg: DemoConfig, step: int, elapsed_s: float) -> float:
-    """Share of the RL budget used after `step` steps and `elapsed_s` seconds: the larger of the
-    time share and, with max_steps, the step share (a step budget ends where the time cap would)."""
-    share = elapsed_s / (cfg.minutes * 60)
-    if cfg.max_steps:
-        share = max(share, step / cfg.max_steps)
-    return share
 
 
 def _progress(cfg: DemoConfig) -> Any:
