@@ -217,7 +217,8 @@ class DemoRun:
             + f": {cfg.groups_per_step} tasks x {cfg.group_size} samples per step, lr {cfg.lr:g} "
             f"(warm-up {cfg.lr_warmup_steps} steps" + (f", then to {cfg.lr_end:g} by the end)" if cfg.lr_end is not None
                                                        else ")"))
-        loop = _TrainingLoop(cfg, controller, daemon, engine, store)
+        # the guess task's success, tool calls and guards read back from the store (outcomes.py)
+        loop = _TrainingLoop(cfg, controller, daemon, engine, store if cfg.task == "guess" else None)
         self._timer = threading.Timer(cfg.minutes * 60, loop.stop)
         self._timer.daemon = True
         self._timer.start()
@@ -308,7 +309,7 @@ class _TrainingLoop:
     def __init__(self, cfg: DemoConfig, controller: RolloutController, daemon: TrainerDaemon,
                  engine: TorchEngine | PolicySet, store: TraceStore | None = None) -> None:
         self.cfg, self.controller, self.daemon, self.engine = cfg, controller, daemon, engine
-        self.store = store  # given: success, tool calls and guards read back per step (demo/outcomes.py)
+        self.store = store  # None: success from the results' rewards (the team and arith tasks)
         self.stopping = threading.Event()
         self.curve: list[dict[str, Any]] = []
         # Success over ALL train rollouts that finished since the previous step: the trained
