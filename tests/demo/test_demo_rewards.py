@@ -163,15 +163,16 @@ def test_cli_takes_rewards_for_the_guess_task_only(tmp_path: Path) -> None:
     assert run_cli(build_parser().parse_args(["demo", "--task", "team", "--rewards", "r.toml"])) == 2
 
 
-def test_curve_summary_and_report_line() -> None:
-    curve = [{"success": 0.2, "tool_calls_mean": 3.0, "hacking_rate": 0.5, "guard_x_rate": 0.5},
-             {"success": float("nan"), "tool_calls_mean": 3.5},  # no rollout finished: left out
-             {"success": 0.6, "tool_calls_mean": 4.0, "hacking_rate": 0.9, "guard_x_rate": 0.9}]
+def test_curve_summary_weighs_steps_by_their_rollouts_and_report_line() -> None:
+    curve = [{"success": 0.2, "tool_calls_mean": 3.0, "hacking_rate": 0.5, "finished": 30, "batch_hacking_rate": 0.4},
+             {"success": float("nan"), "finished": 0},  # no rollout finished: left out
+             {"success": 1.0, "tool_calls_mean": 1.0, "hacking_rate": 0.0, "finished": 10, "batch_hacking_rate": 0.2}]
     got = curve_summary(curve, last=0.34)
-    assert got["all_steps"]["success"] == pytest.approx(0.4)
-    assert got["all_steps"]["tool_calls_mean"] == pytest.approx(3.5)
-    assert got["last_steps"] == {"success": 0.6, "tool_calls_mean": 4.0, "hacking_rate": 0.9, "guard_x_rate": 0.9}
+    assert got["all_steps"]["success"] == pytest.approx(0.4)  # (30 x 0.2 + 10 x 1.0) / 40, not 0.6
+    assert got["all_steps"]["tool_calls_mean"] == pytest.approx(2.5)
+    assert got["all_steps"]["batch_hacking_rate"] == pytest.approx(0.3)  # the trained batch: by step
+    assert got["last_steps"] == {"success": 1.0, "tool_calls_mean": 1.0, "hacking_rate": 0.0, "batch_hacking_rate": 0.2}
     res = {"before": {"sampled": {"tool_calls_mean": 3.25}}, "after": {"sampled": {"tool_calls_mean": 3.9}},
-           "rl_summary": got, "rewards": {"hash": "abcd"}}
+           "rl_summary": {"last_steps": {"hacking_rate": 0.9}}, "rewards": {"hash": "abcd"}}
     assert report_line(res) == ("tool calls per held-out rollout: 3.25 -> 3.90; hacking rate of the train "
                                 "rollouts (last quarter of RL): 90.0%; reward configuration abcd")

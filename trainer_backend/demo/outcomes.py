@@ -71,14 +71,19 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, float]:
 
 def curve_summary(curve: Sequence[dict[str, float]], last: float = 0.25) -> dict[str, dict[str, float]]:
     """Per-step measures averaged over the whole RL phase and over its `last` share of steps
-    (the policy it ended with): success, tool calls per rollout, hacking and guard rates."""
+    (the policy it ended with): success, tool calls per rollout, hacking and guard rates. Each
+    step weighs by the rollouts that finished in it (`finished`): short episodes finish first,
+    so a step with a handful of them is no fair sample (the trained batch's rates: by step)."""
     keys = sorted({k for c in curve for k in c
                    if k in ("success", "tool_calls_mean", "hacking_rate", "batch_hacking_rate")
                    or k.startswith(("guard_", "batch_guard_"))})
 
     def mean(rows: Sequence[dict[str, float]], key: str) -> float:
-        xs = [float(c[key]) for c in rows if key in c and c[key] == c[key]]  # NaN: no rollout finished
-        return sum(xs) / len(xs) if xs else float("nan")
+        weigh = not key.startswith("batch_")
+        xs = [(float(c[key]), float(c.get("finished", 1)) if weigh else 1.0)
+              for c in rows if key in c and c[key] == c[key]]  # NaN: no rollout finished
+        total = sum(w for _, w in xs)
+        return sum(x * w for x, w in xs) / total if total else float("nan")
 
     tail = list(curve[-max(1, round(len(curve) * last)):]) if curve else []
     return {"all_steps": {k: mean(curve, k) for k in keys}, "last_steps": {k: mean(tail, k) for k in keys}}
