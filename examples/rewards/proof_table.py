@@ -4,10 +4,11 @@
         hand=runs/proof-hand hybrid=runs/proof-hybrid hackable=runs/proof-hackable ...
 
 Per run: held-out success before -> after RL (T=1, the task's own success, from results.json),
-tool calls per held-out rollout before -> after, and, over the train rollouts of the last quarter
-of RL steps (by policy version), their success, tool calls and the share that one fixed set of
-guards flags (`--guards`: a configuration whose guards are scored in memory, nothing stored), so
-every run, whatever reward trained it, is judged by the same detectors.
+tool calls per held-out rollout and the share that ran out of guesses before -> after, and,
+over the train rollouts of the last quarter of RL steps (by policy version), their success,
+tool calls and the share that one fixed set of guards flags (`--guards`: a configuration whose
+guards are scored in memory, nothing stored), so every run, whatever reward trained it, is
+judged by the same detectors.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ def _measures(scorer: Scorer, trajectories: list[Any]) -> dict[str, float]:
             fired[name] += 1
     solved = sum((t.reported_reward or 0.0) >= SOLVED for t in trajectories)
     return {"success": solved / n, "tool_calls": sum(len(t.tool_calls) for t in trajectories) / n,
+            "out_of_guesses": sum(_end(t) == "out_of_guesses" for t in trajectories) / n,
             "flagged": flagged / n, "n": float(len(trajectories)), **{f"guard:{k}": v / n for k, v in fired.items()}}
+
+
+def _end(t: Any) -> str | None:
+    """How the demo agent says the episode ended (found, out_of_guesses, no_tool_call)."""
+    own = [r for r in t.rewards if r.config_hash is None and r.call_index is None and r.agent is None]
+    return (own[-1].metadata or {}).get("end") if own else None
 
 
 def _flagged(m: dict[str, float]) -> str:
@@ -62,13 +70,15 @@ def run_row(label: str, out: Path, scorer: Scorer) -> dict[str, Any]:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     head = ("| run | reward (hash) | held-out success T=1 before -> after | tool calls / held-out rollout "
-            "before -> after | flagged by the guards, held-out after | last quarter of RL: train success / "
-            "tool calls / flagged | steps, RL minutes |\n|---|---|---|---|---|---|---|")
+            "before -> after | out of guesses, held-out before -> after | flagged by the guards, held-out after "
+            "| last quarter of RL: train success / tool calls / flagged | steps, RL minutes |\n"
+            "|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         hb, ha, tr = r["held"]["before-t1"], r["held"]["after-t1"], r["train"]
         lines.append(f"| {r['label']} | {r['reward']} | {r['before']:.1%} -> {r['after']:.1%} | "
-                     f"{hb['tool_calls']:.2f} -> {ha['tool_calls']:.2f} | {_flagged(ha)} | "
+                     f"{hb['tool_calls']:.2f} -> {ha['tool_calls']:.2f} | {hb['out_of_guesses']:.1%} -> "
+                     f"{ha['out_of_guesses']:.1%} | {_flagged(ha)} | "
                      f"{tr['success']:.1%} / {tr['tool_calls']:.2f} / {_flagged(tr)} | "
                      f"{r['steps']}, {r['rl_min']:.1f} |")
     return "\n".join(lines)
