@@ -48,9 +48,11 @@ def _backend(api: K8sAPIServer, per_job: int, **kw: Any) -> KubernetesBackend:
 
 
 def _batches(api: K8sAPIServer, backend: KubernetesBackend) -> list[list[str]]:
-    """The rollout ids of each of the run's batch Jobs, in the order its pod runs them."""
+    """The rollout ids of each of the run's batch Jobs, in the order its pod runs them (a batch of one
+    is a plain one-rollout Job)."""
     return [json.loads(j["metadata"]["annotations"][ROLLOUTS_ANNOTATION])
-            for j in api.objects("jobs", run_selector(backend.run_id))]
+            for j in api.objects("jobs", run_selector(backend.run_id))
+            if ROLLOUTS_ANNOTATION in j["metadata"]["annotations"]]
 
 
 def _env(job: dict[str, Any]) -> dict[str, Any]:
