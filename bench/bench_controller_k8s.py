@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--rollouts", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--real", type=int, default=16, help="rollouts with real worker processes")
-    ap.add_argument("--real-concurrency", type=int, default=16)
+    ap.add_argument("--real-concurrency", type=int, default=8, help="rollouts in flight in the real-pod cells")
     ap.add_argument("--per-job", default="1,8", help="rollouts_per_job values, comma-separated")
     args = ap.parse_args()
     per_job = [int(v) for v in args.per_job.split(",")]

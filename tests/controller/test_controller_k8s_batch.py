@@ -221,3 +221,24 @@ def test_reap_keeps_a_batch_job_while_any_of_its_rollouts_heartbeats(cluster: Cl
     assert reap_jobs("rollouts", api=client, store=sq, older_than_s=60) == []
     sq.heartbeat(["b" * 32], owner="alive", at=time.time() - 600)
     assert reap_jobs("rollouts", api=client, store=sq, older_than_s=60) == [f"rollout-batch-{'d' * 32}"]
+
+
+def test_a_batch_that_never_starts_is_classified_and_requeued(cluster: Cluster, llm_server: LLMTestServer,
+                                                              sq: TraceStore) -> None:
+    api, _ = cluster
+    pull = A.make_tasks(llm_server, sq, 2)
+    pull[0]["fault"] = "image_pull"  # the batch's pod never starts: the Job is deleted, all re-queued
+    late = [{**t, "task_id": f"s{i}"} for i, t in enumerate(A.make_tasks(llm_server, sq, 2))]
+    late[0]["fault"] = "slow_start:30"  # past the batch Job's deadline (2 x 2 s + 3 s grace)
+    backend = _backend(api, 2, batch_linger_s=0.5, template={"startup_grace_s": 3.0})
+    with RolloutController(AGENT, store=sq, backend=backend, concurrency=2, timeout_s=2.0, policy_version=0,
+                           retry=RetryPolicy(max_attempts=2, backoff_s=0.05)) as c:
+        pulled = c.run(pull)
+        timed = c.run(late)
+    assert [(r.status, r.attempts) for r in pulled] == [("succeeded", 2)] * 2
+    errors = sorted((sq.get_rollout(r.rollout_ids[0]).error or "").split(":")[0] for r in pulled)  # type: ignore[union-attr]
+    assert errors == ["BatchCutShort", "PodImagePullFailed"]
+    first, second = sorted(timed, key=lambda r: r.attempts)
+    assert first.status == "timeout" and first.attempts == 1 and "activeDeadlineSeconds (7s)" in (first.error or "")
+    assert second.status == "succeeded" and second.attempts == 2  # never started: re-queued
+    assert sq.query_rollouts(status="running") == []
