@@ -77,8 +77,8 @@ class KubernetesBackend:
     (the controller's `concurrency` counts rollouts, batched or not). `network_policy`: create the
     sandbox NetworkPolicy at start (`sandbox.egress_to`); usually it is part of the manifests instead.
     `backstop_s`: past the Job's deadline, the controller stops waiting for the cluster and deletes
-    the Job itself. `close()` deletes the run's Jobs: leaving `with RolloutController(...)` on Ctrl-C does it, and
-    `lightning-mw rollouts run` turns SIGTERM into Ctrl-C (in your own program:
+    the Job itself. `close()` deletes the run's Jobs: leaving `with RolloutController(...)` on Ctrl-C
+    does it, and `lightning-mw rollouts run` turns SIGTERM into Ctrl-C (in your own program:
     `signal.signal(signal.SIGTERM, signal.default_int_handler)`).
     """
 
@@ -424,14 +424,12 @@ class KubernetesBackend:
         return replace(verdict.outcome, error=f"{verdict.outcome.error}; last log lines:\n{text}")
 
     def _outcome_from_store(self, job: RolloutJob) -> RolloutOutcome:
-        self._store.flush(5.0)
-        found = self._store.get_rollout(job.rollout_id)
-        if found is None or found.status == RolloutStatus.RUNNING:
-            exc = WorkerLost(f"the rollout pod ended without ending rollout {job.rollout_id} in the store")
-            return RolloutOutcome(status=RolloutStatus.FAILED.value, error=f"WorkerLost: {exc}",
-                                  error_types=tuple(type_names(WorkerLost)), ended_by_controller=True)
-        return RolloutOutcome(status=found.status.value, reward=found.final_reward, error=found.error,
-                              duration_s=found.duration_s or 0.0)
+        done, _ = self._stored_outcomes([job])
+        if job.rollout_id in done:
+            return done[job.rollout_id]
+        exc = WorkerLost(f"the rollout pod ended without ending rollout {job.rollout_id} in the store")
+        return RolloutOutcome(status=RolloutStatus.FAILED.value, error=f"WorkerLost: {exc}",
+                              error_types=tuple(type_names(WorkerLost)), ended_by_controller=True)
 
     def _delete_job(self, name: str) -> None:
         from kubernetes.client import ApiException

@@ -95,8 +95,8 @@ def assign(jobs: list[RolloutJob], done: dict[str, RolloutOutcome], running: str
         elif job_outcome is None:
             out.append(_lost(WorkerLost(f"the rollout pod ended without ending rollout {rid} in the store"), worker))
         else:
-            exc = BatchCutShort(f"rollout {rid} never started: its batch's pod {worker or ''} ended first "
-                                f"({why})".replace("  ", " "))
+            pod = f"pod {worker}" if worker else "pod"
+            exc = BatchCutShort(f"rollout {rid} never started: its batch's {pod} ended first ({why})")
             out.append(_lost(exc, worker))
     return out
 
