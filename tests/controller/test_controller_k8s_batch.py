@@ -99,7 +99,7 @@ def test_a_rollout_that_fails_or_times_out_leaves_its_batch_mates_alone(cluster:
     exits = [{**t, "task_id": f"x{i}"} for i, t in enumerate(A.make_tasks(llm_server, sq, 3))]
     exits[1]["exit_code"] = 3  # the agent's process dies mid-batch
     backend = _backend(api, 4, batch_linger_s=0.5)
-    with RolloutController(AGENT, store=sq, backend=backend, concurrency=4, timeout_s=4.0, policy_version=0,
+    with RolloutController(AGENT, store=sq, backend=backend, concurrency=4, timeout_s=8.0, policy_version=0,
                            retry=RetryPolicy(max_attempts=2, backoff_s=0.05)) as c:
         first = {r.task_id: r for r in c.run(tasks)}
         assert backend.jobs_created == 1
@@ -108,7 +108,7 @@ def test_a_rollout_that_fails_or_times_out_leaves_its_batch_mates_alone(cluster:
     assert first["t0"].status == first["t3"].status == "succeeded"
     assert first["t1"].status == "failed" and first["t1"].error == "ValueError: tool exploded"
     slow = first["t2"]
-    assert slow.status == "timeout" and "4s timeout" in (slow.error or "") and len(sq.calls(slow.rollout_id)) == 1
+    assert slow.status == "timeout" and "8s timeout" in (slow.error or "") and len(sq.calls(slow.rollout_id)) == 1
     assert all(r.attempts == 1 for r in first.values())
     assert [second[r].task_id for r in order] == ["x0", "x1", "x2"]  # the batch runs in arrival order
     ok, died, after = (second[r] for r in order)
@@ -229,9 +229,9 @@ def test_a_batch_that_never_starts_is_classified_and_requeued(cluster: Cluster, 
     pull = A.make_tasks(llm_server, sq, 2)
     pull[0]["fault"] = "image_pull"  # the batch's pod never starts: the Job is deleted, all re-queued
     late = [{**t, "task_id": f"s{i}"} for i, t in enumerate(A.make_tasks(llm_server, sq, 2))]
-    late[0]["fault"] = "slow_start:30"  # past the batch Job's deadline (2 x 2 s + 3 s grace)
-    backend = _backend(api, 2, batch_linger_s=0.5, template={"startup_grace_s": 3.0})
-    with RolloutController(AGENT, store=sq, backend=backend, concurrency=2, timeout_s=2.0, policy_version=0,
+    late[0]["fault"] = "slow_start:40"  # past the batch Job's deadline (2 x 5 s + 10 s grace)
+    backend = _backend(api, 2, batch_linger_s=0.5, template={"startup_grace_s": 10.0})
+    with RolloutController(AGENT, store=sq, backend=backend, concurrency=2, timeout_s=5.0, policy_version=0,
                            retry=RetryPolicy(max_attempts=2, backoff_s=0.05)) as c:
         pulled = c.run(pull)
         timed = c.run(late)
@@ -239,6 +239,6 @@ def test_a_batch_that_never_starts_is_classified_and_requeued(cluster: Cluster, 
     errors = sorted((sq.get_rollout(r.rollout_ids[0]).error or "").split(":")[0] for r in pulled)  # type: ignore[union-attr]
     assert errors == ["BatchCutShort", "PodImagePullFailed"]
     first, second = sorted(timed, key=lambda r: r.attempts)
-    assert first.status == "timeout" and first.attempts == 1 and "activeDeadlineSeconds (7s)" in (first.error or "")
+    assert first.status == "timeout" and first.attempts == 1 and "activeDeadlineSeconds (20s)" in (first.error or "")
     assert second.status == "succeeded" and second.attempts == 2  # never started: re-queued
     assert sq.query_rollouts(status="running") == []
