@@ -132,6 +132,30 @@ def store_counts(engine: Any) -> dict[str, Any]:
     return out
 
 
+def failures_in_store(engine: Any, lines_by_kind: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each kind's failure reasons, and for the gateway agents' failed calls (their URL names the
+    rollout) whether the store holds that rollout's calls: a call missing from the store is then
+    tied to the exception its agent saw (did the gateway ever read the request?)."""
+    import sqlalchemy as sa
+
+    out: dict[str, Any] = {}
+    for name, lines in lines_by_kind.items():
+        final: dict[str, Any] = next((line for line in reversed(lines) if line.get("final")), {})
+        failures = final.get("failures", [])
+        rids = sorted({f["url"].split("/")[2] for f in failures if f.get("url", "").startswith("/rollouts/")})
+        held: dict[str, int] = {}
+        if rids:
+            with engine.connect() as conn:
+                held = dict(conn.execute(sa.text(
+                    "SELECT rollout_id, count(*) FROM llm_calls WHERE rollout_id IN :ids GROUP BY 1"
+                ).bindparams(sa.bindparam("ids", expanding=True)), {"ids": rids}).all())
+        for f in failures:
+            if f.get("url", "").startswith("/rollouts/"):
+                f["calls_in_store"] = held.get(f["url"].split("/")[2], 0)  # 2 when the failed call was recorded
+        out[name] = {"errors": final.get("errors", {}), "first_failures": failures}
+    return out
+
+
 def anon_mib(pid: int) -> float | None:
     """A process's anonymous resident memory (RssAnon): what a leak grows. RSS also counts file pages
     (the mapped libraries), which the kernel takes back under memory pressure from other programs on
@@ -292,11 +316,13 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         trained_ids = [rid for s in store.train_steps() for rid in s.rollout_ids]
         store.close()
         lines_by_kind = {name: lines.lines for name, (_p, lines) in agents.items()}
+        failures = failures_in_store(engine, lines_by_kind)
         result = {
             "minutes": args.minutes, "agent_seconds": agent_s, "cpu": _cpu_name(), "cores": os.cpu_count(),
             "wrap_agents": args.wrap_agents, "gateway_agents": args.gateway_agents, "think_ms": args.think_ms,
             "llm_latency_ms": args.llm_latency_ms, "groups_per_step": args.groups_per_step,
             "counts": check_counts(lines_by_kind, final, trained_ids),
+            "failures": failures,
             "memory": memory_summary(samples, args.warmup_s, "anon_mib"),
             "memory_rss": memory_summary(samples, args.warmup_s, "rss_mib"),
             "load_avg": {"min": min(s["load"] for s in samples), "max": max(s["load"] for s in samples),

@@ -15,7 +15,8 @@ checks the deadline between groups only: it never leaves a group short.
 
 Each `--window-s` the process prints one JSON line with that window's calls, failures and latency
 p50/p99; at the end a line with `"final": true` and its totals: calls sent (every HTTP attempt;
-the clients do not retry, so one attempt is one call), answered, failed, rollouts finished.
+the clients do not retry, so one attempt is one call), answered, failed (with each failure's
+exception and message: whether the server ever read the request), rollouts finished.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 GROUP_SIZE = 4  # rollouts per task: the trainer's --group-size
+MAX_FAILURES = 50  # failures reported one by one in the final line
 
 
 @dataclass
@@ -47,15 +49,31 @@ class Tally:
     rollouts: int = 0
     window: list[float] = field(default_factory=list)  # latencies (s) of the current window
     window_failed: int = 0
+    errors: dict[str, int] = field(default_factory=dict)  # "Class: message" -> count
+    failures: list[dict[str, Any]] = field(default_factory=list)  # the first MAX_FAILURES, in detail
 
-    def record(self, seconds: float, ok: bool) -> None:
+    def record(self, seconds: float, ok: bool, error: BaseException | None = None, **where: Any) -> None:
         self.sent += 1
         self.window.append(seconds)
         if ok:
             self.ok += 1
-        else:
-            self.failed += 1
-            self.window_failed += 1
+            return
+        self.failed += 1
+        self.window_failed += 1
+        # Why a call failed decides whether the store should hold it: a request the server never read
+        # (a connection reset, "Server disconnected without sending a response") cannot be recorded.
+        what = describe(error)
+        self.errors[what] = self.errors.get(what, 0) + 1
+        if len(self.failures) < MAX_FAILURES:
+            self.failures.append({"at": time.time(), "seconds": round(seconds, 3), "error": what, **where})
+
+
+def describe(error: BaseException | None) -> str:
+    if error is None:
+        return "unknown"
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    text = f"{type(error).__name__}: {error}"[:200]
+    return f"{text} (HTTP {status})" if status is not None else text
 
 
 def percentile(values: list[float], p: float) -> float | None:
@@ -102,8 +120,8 @@ async def _wrap_call(client: Any, msgs: list[dict[str, str]], tally: Tally, *, s
         else:
             out = await client.chat.completions.create(model="m", messages=msgs, max_tokens=12)
             answer = out.choices[0].message.content
-    except Exception:  # noqa: BLE001 - a failed call is counted (and must be recorded), the agent goes on
-        tally.record(time.perf_counter() - t0, ok=False)
+    except Exception as exc:  # noqa: BLE001 - a failed call is counted (and must be recorded), the agent goes on
+        tally.record(time.perf_counter() - t0, ok=False, error=exc, stream=stream)
         return None
     tally.record(time.perf_counter() - t0, ok=True)
     return answer
@@ -144,8 +162,8 @@ async def _gateway_call(http: httpx.AsyncClient, url: str, msgs: list[dict[str, 
             r = await http.post(url, json=body)
             r.raise_for_status()
             answer = r.json()["choices"][0]["message"]["content"]
-    except Exception:  # noqa: BLE001 - counted as failed; the gateway records it as a failed call
-        tally.record(time.perf_counter() - t0, ok=False)
+    except Exception as exc:  # noqa: BLE001 - counted as failed; the gateway records it as a failed call
+        tally.record(time.perf_counter() - t0, ok=False, error=exc, stream=stream, url=url)
         return None
     tally.record(time.perf_counter() - t0, ok=True)
     return answer
@@ -196,7 +214,7 @@ async def run(args: argparse.Namespace) -> None:
     stop.set()
     await reporter
     emit({"kind": args.kind, "final": True, "sent": tally.sent, "ok": tally.ok, "failed": tally.failed,
-          "rollouts": tally.rollouts, "pid": os.getpid()})
+          "rollouts": tally.rollouts, "pid": os.getpid(), "errors": tally.errors, "failures": tally.failures})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -122,6 +122,13 @@ def print_report(result: dict[str, Any]) -> None:
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in c[name].items()))
     print(f"lost {c['lost']}, trained twice {c['trained_twice']}, unattached calls {c['unattached_calls']}, "
           f"train steps {c['train_steps']}")
+    for name, f in result.get("failures", {}).items():
+        for what, n in f["errors"].items():
+            print(f"failed {name}: {n} x {what}")
+        for one in f["first_failures"]:
+            if "calls_in_store" in one:
+                print(f"  {one['url']}: stream={one['stream']}, {one['seconds']} s, "
+                      f"{one['calls_in_store']} of the rollout's 2 calls in the store: {one['error']}")
     for name, m in result["memory"].items():
         print(f"anon   {name:>14}: first {m['first']:.0f}, after warm-up {m['after_warmup']:.0f}, "
               f"end {m['end']:.0f}, peak {m['peak']:.0f} MiB, growth {m['growth']:+.1f} MiB "

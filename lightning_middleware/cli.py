@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable
-from importlib.metadata import entry_points
+from collections.abc import Callable, Iterable
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from lightning_middleware.errors import UsageError
@@ -21,18 +21,43 @@ ENTRY_POINT_GROUP = "lightning_middleware.commands"
 log = logging.getLogger(__name__)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Iterable[EntryPoint] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-mw", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    for ep in entry_points(group=ENTRY_POINT_GROUP) if commands is None else commands:
         try:
             add_cli = ep.load()
-        except ImportError as exc:  # an optional dependency not installed: that command is absent
-            log.debug("command %s unavailable: %s", ep.name, exc)
+        except ImportError as exc:
+            _add_unavailable(sub, ep, exc)
             continue
         add_cli(sub)
     return parser
+
+
+def _add_unavailable(sub: Any, ep: EntryPoint, exc: ImportError) -> None:
+    """A command whose module cannot be imported stays listed, and running it says why in one line.
+
+    A missing third-party module is an optional dependency not installed (expected: the core runs
+    without the trainer's packages). Anything else (a name missing from the command's own package)
+    is a bug in that package, so it is also logged as a warning: a command must never vanish silently.
+    """
+    missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+    own = ep.value.split(":")[0].split(".")[0]
+    if missing and missing.split(".")[0] != own:
+        reason = f"needs the package {missing.split('.')[0]!r}, which is not installed"
+        log.debug("command %s unavailable: %s", ep.name, exc)
+    else:
+        reason = f"its module failed to import ({type(exc).__name__}: {exc})"
+        log.warning("command %s: %s", ep.name, reason, exc_info=log.isEnabledFor(logging.DEBUG))
+
+    def unavailable(_args: argparse.Namespace) -> int:
+        raise UsageError(f"unavailable: {reason}")
+
+    # No option prefix: every argument is taken as it is, so the reason is printed whatever was typed.
+    p = sub.add_parser(ep.name, help=f"(unavailable: {reason})", add_help=False, prefix_chars="\0")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(func=unavailable)
 
 
 def main(argv: list[str] | None = None) -> int:

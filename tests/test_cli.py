@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
+
+from lightning_middleware.cli import build_parser
+from lightning_middleware.errors import UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,3 +69,34 @@ def test_the_trainer_with_a_missing_model_or_a_bad_config(tmp_path: Path) -> Non
     bad.write_text("[loss]\nclip_low = 2\n")
     proc = _run("trainer", "--config", str(bad), "--store", store, "--model", str(tmp_path))
     assert proc.returncode == 2 and "loss.clip_low" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _ghost_commands(tmp_path: Path) -> list[EntryPoint]:
+    """Two commands whose modules cannot be imported: one needs a package that is not installed,
+    one is a module of its own package that imports a name it does not have (a bug)."""
+    pkg = tmp_path / "ghostpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "needs_dep.py").write_text("import no_such_dependency_xyz\n\ndef add_cli(sub):\n    pass\n")
+    (pkg / "broken.py").write_text("from ghostpkg import no_such_name\n\ndef add_cli(sub):\n    pass\n")
+    group = "lightning_middleware.commands"
+    return [EntryPoint("optional", "ghostpkg.needs_dep:add_cli", group),
+            EntryPoint("broken", "ghostpkg.broken:add_cli", group)]
+
+
+def test_a_command_that_cannot_be_imported_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    parser = build_parser(_ghost_commands(tmp_path))
+    # Listed in the help, not vanished, each with its reason.
+    helptext = parser.format_help()
+    assert "optional" in helptext and "broken" in helptext
+    # The missing dependency is expected (debug only); the broken import of its own package is a warning.
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "broken" in warnings[0] and "no_such_name" in warnings[0], warnings
+    for name, fragment in (("optional", "needs the package 'no_such_dependency_xyz'"),
+                           ("broken", "failed to import (ImportError")):
+        args = parser.parse_args([name, "--any", "-x", "flags"])
+        with pytest.raises(UsageError, match="unavailable: ") as exc:
+            args.func(args)  # the dispatcher prints a UsageError as one line and exits 2 (tests above)
+        assert fragment in str(exc.value), exc.value

@@ -35,6 +35,7 @@ class RolloutEntry:
     finished: bool = False
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    reward_stored: bool = False  # a finish that failed after storing its reward: its retry does not store it again
 
     def enter(self) -> None:
         self.in_flight += 1
@@ -145,17 +146,28 @@ class RolloutRegistry:
                   if body.get("reward") is not None else None)
         entry.finished = True  # new calls get 409 from here on
         try:
+            done = await self._finish(entry, reward, status, error)
+        except BaseException:
+            # The store refused (it is down: the client gets 503 and retries). The rollout is still
+            # running as far as the store knows, so the retry must find it open, not "finished".
+            entry.finished = False
+            raise
+        self._open.pop(rollout_id, None)
+        return done
+
+    async def _finish(self, entry: RolloutEntry, reward: Reward | None, status: str, error: str | None) -> Rollout:
+        rollout_id = entry.state.id
+        try:
             await asyncio.wait_for(entry.idle.wait(), self.finish_wait_s)
         except asyncio.TimeoutError:
             log.warning("rollout %s finished with calls still in flight", rollout_id)
-        if reward is not None:
+        if reward is not None and not entry.reward_stored:
             await asyncio.to_thread(self.store.add_reward, reward)
+            entry.reward_stored = True
         await asyncio.to_thread(self.store.flush, 30.0)  # its calls are on disk before it shows as finished
         if self.scorer is not None:  # and its final reward is in
             await asyncio.to_thread(self._score, rollout_id, status)
-        done = await asyncio.to_thread(self.store.finish_rollout, rollout_id, status=status, error=error)
-        self._open.pop(rollout_id, None)
-        return done
+        return await asyncio.to_thread(self.store.finish_rollout, rollout_id, status=status, error=error)
 
 
     def _score(self, rollout_id: str, status: str) -> None:
