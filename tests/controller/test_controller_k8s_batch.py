@@ -4,6 +4,7 @@ entrypoint, running its batch one rollout after another) as a local process."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -122,7 +123,7 @@ def test_a_rollout_that_fails_or_times_out_leaves_its_batch_mates_alone(cluster:
     assert sq.query_rollouts(status="running") == []
 
 
-@pytest.mark.parametrize("fault", ["evict", "oom"])
+@pytest.mark.parametrize("fault", ["evict", "oom", "node_lost"])
 def test_a_pod_killed_mid_batch_fails_only_its_unfinished_rollouts(cluster: Cluster, llm_server: LLMTestServer,
                                                                   sq: TraceStore, tmp_path: Path, fault: str) -> None:
     api, kubelet = cluster
@@ -151,7 +152,7 @@ def test_a_pod_killed_mid_batch_fails_only_its_unfinished_rollouts(cluster: Clus
         assert results[tid].attempts == 1 and len(sq.calls(results[tid].rollout_id)) == 2
     killed = results["t2"]
     first = sq.get_rollout(killed.rollout_ids[0])
-    want = {"evict": "PodEvicted: pod", "oom": "PodOOMKilled: pod"}[fault]
+    want = {"evict": "PodEvicted: pod", "oom": "PodOOMKilled: pod", "node_lost": "PodNodeLost: pod"}[fault]
     assert killed.attempts == 2 and first is not None and first.status == "failed" and want in (first.error or "")
     assert len(sq.calls(killed.rollout_ids[0])) == 1  # its span so far stays, once
     queued = results["t3"]
@@ -160,6 +161,35 @@ def test_a_pod_killed_mid_batch_fails_only_its_unfinished_rollouts(cluster: Clus
     assert want.split(":")[0] in (cut.error or "")  # it says why its pod ended
     assert sq.count("llm_calls") == 4 * 2 + 1  # no rollout ran twice
     assert sq.query_rollouts(status="running") == []
+
+
+def test_cancelling_a_batchs_rollouts_deletes_its_job(cluster: Cluster, llm_server: LLMTestServer,
+                                                      sq: TraceStore) -> None:
+    api, kubelet = cluster
+    backend = _backend(api, 2, batch_linger_s=0.5)
+    c = RolloutController(AGENT, store=sq, backend=backend, concurrency=2, policy_version=0)
+
+    async def cancel_when_running() -> None:
+        run = asyncio.ensure_future(c.arun(A.make_tasks(llm_server, sq, 2, sleep=60)))
+        end = time.monotonic() + 60
+        while not sq.query_rollouts(status="running") and time.monotonic() < end:
+            await asyncio.sleep(0.1)
+        assert len(api.objects("jobs")) == 1
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        assert api.objects("jobs") == []  # deleted before the cancellation returned
+
+    try:
+        c.run_sync(cancel_when_running())
+        ended = sq.query_rollouts()  # the one running and the one its pod never started
+        assert len(ended) == 2 and all(r.status == "failed" and "cancelled" in (r.error or "") for r in ended)
+        end = time.monotonic() + 10
+        while kubelet.active and time.monotonic() < end:
+            time.sleep(0.05)
+        assert kubelet.active == 0
+    finally:
+        c.close()
 
 
 def test_concurrency_counts_rollouts_and_max_jobs_counts_jobs(cluster: Cluster, llm_server: LLMTestServer,

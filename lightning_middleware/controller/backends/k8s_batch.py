@@ -139,20 +139,26 @@ class Batcher:
         try:
             return await fut
         except asyncio.CancelledError:
-            self._leave(job, fut)
+            abandoned = self._leave(job, fut)
+            if abandoned is not None:  # the last of its batch: wait until its Job is deleted
+                await asyncio.gather(abandoned, return_exceptions=True)
             raise
         finally:
             self._of.pop(job.rollout_id, None)
 
-    def _leave(self, job: RolloutJob, fut: asyncio.Future[RolloutOutcome]) -> None:
+    def _leave(self, job: RolloutJob, fut: asyncio.Future[RolloutOutcome]) -> asyncio.Task[None] | None:
+        """Take a cancelled rollout out of its batch; the batch's task if that cancelled it."""
         if any(f is fut for _, f in self._open):
             self._open = [(j, f) for j, f in self._open if f is not fut]
-            return
+            return None
         batch = self._of.get(job.rollout_id)
-        if batch is not None:
-            batch.waiting -= 1
-            if batch.waiting == 0 and batch.task is not None:
-                batch.task.cancel()
+        if batch is None:
+            return None
+        batch.waiting -= 1
+        if batch.waiting > 0 or batch.task is None:
+            return None
+        batch.task.cancel()
+        return batch.task
 
     def _flush(self) -> None:
         if self._timer is not None:
