@@ -68,6 +68,8 @@ def main() -> None:
     ap.add_argument("--real", type=int, default=16, help="rollouts with real worker processes")
     ap.add_argument("--real-concurrency", type=int, default=8, help="rollouts in flight in the real-pod cells")
     ap.add_argument("--per-job", default="1,8", help="rollouts_per_job values, comma-separated")
+    ap.add_argument("--pod-concurrency", type=int, default=1,
+                    help="also a real-pod cell with the largest --per-job and this many at once in a pod")
     args = ap.parse_args()
     per_job = [int(v) for v in args.per_job.split(",")]
     tmp = tempfile.mkdtemp(prefix="bench-k8s-")
@@ -94,12 +96,15 @@ def main() -> None:
     proc, url = emulator(instant=False)
     try:
         with LLMTestServer() as server:
-            for n in per_job:
-                url_db = f"sqlite:///{tmp}/k8s-real-{n}.db"
+            cells = [(n, 1) for n in per_job] + ([(max(per_job), args.pod_concurrency)]
+                                                  if args.pod_concurrency > 1 else [])
+            for n, k in cells:
+                url_db = f"sqlite:///{tmp}/k8s-real-{n}-{k}.db"
                 store = TraceStore(url_db)
                 tasks = [{"task_id": f"r{i}", "base_url": server.base_url, "store": url_db} for i in range(args.real)]
-                backend = KubernetesBackend(template, api_url=url, rollouts_per_job=n)
-                row(f"k8s, real pods (2-call tool agent, a process per pod), {n} per Job", args.real,
+                backend = KubernetesBackend(template, api_url=url, rollouts_per_job=n, pod_concurrency=k)
+                at_once = f", {k} at once" if k > 1 else ""
+                row(f"k8s, real pods (2-call tool agent, a process per pod), {n} per Job{at_once}", args.real,
                     *cell("tests.controller.controller_agents:tool_agent", backend, tasks, args.real_concurrency,
                           store, warm=2))
                 print(f"(llm calls in store: {store.count('llm_calls')})", flush=True)

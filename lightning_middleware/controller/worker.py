@@ -3,33 +3,44 @@ local worker process runs, for the job (or the batch of jobs) its environment na
 
 Environment: LIGHTNING_AGENT ("module:function"), LIGHTNING_ROLLOUT_JOB (the RolloutJob as JSON) or
 LIGHTNING_ROLLOUT_JOBS (a batch: a JSON list of them, run one after another, each with its own
-timeout), LIGHTNING_STORE_URL (the store as this pod reaches it; the gateway URL, if the agent uses
-one, is the agent's own env). It writes the outcome as JSON to the termination log (the container's
-`terminationMessagePath`, LIGHTNING_TERMINATION_LOG overrides it) and as its last stdout line; a
-batch's termination log is rewritten after each rollout (the outcomes so far and the rollout now
-running), so a pod killed mid-batch still reports what finished. It exits 0 for any agent result, a
-raised exception included; a non-zero exit means the worker itself could not run (bad env, agent not
-importable, killed), and the backend reports its last log lines.
+timeout, or LIGHTNING_ROLLOUT_CONCURRENCY at a time), LIGHTNING_STORE_URL (the store as this pod
+reaches it; the gateway URL, if the agent uses one, is the agent's own env). It writes the outcome
+as JSON to the termination log (the container's `terminationMessagePath`, LIGHTNING_TERMINATION_LOG
+overrides it) and as its last stdout line; a batch's termination log is rewritten as each rollout
+starts and ends (the outcomes so far and the rollouts running), so a pod killed mid-batch still
+reports what finished. It exits 0 for any agent result, a raised exception included; a non-zero
+exit means the worker itself could not run (bad env, agent not importable, killed), and the backend
+reports its last log lines.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import logging
 import os
 import sys
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 from lightning_middleware.controller.backends.k8s_batch import batch_message
 from lightning_middleware.controller.backends.k8s_template import (
     ENV_AGENT,
+    ENV_CONCURRENCY,
     ENV_JOB,
     ENV_JOBS,
     ENV_STORE,
     ENV_TERMINATION_LOG,
 )
-from lightning_middleware.controller.execution import AgentFn, AgentNotFound, execute_job, resolve_agent
+from lightning_middleware.controller.execution import (
+    AgentFn,
+    AgentNotFound,
+    aexecute_job,
+    execute_job,
+    resolve_agent,
+)
 from lightning_middleware.controller.jobs import RolloutJob, RolloutOutcome
 from lightning_middleware.store import TraceStore, get_store
 
@@ -74,7 +85,11 @@ def run_worker(env: Mapping[str, str] | None = None) -> int:
         _report(path, text)
         print(text, flush=True)
         return 0
-    _run_batch(agent, jobs, store, path)
+    concurrency = int(env.get(ENV_CONCURRENCY) or 1)
+    if concurrency > 1:
+        asyncio.run(_run_concurrently(agent, jobs, store, path, concurrency))
+    else:
+        _run_batch(agent, jobs, store, path)
     return 0
 
 
@@ -83,12 +98,46 @@ def _run_batch(agent: AgentFn, jobs: list[RolloutJob], store: TraceStore, path: 
     # for a single job; an agent error or timeout ends that rollout only.
     done: dict[str, RolloutOutcome] = {}
     for job in jobs:
-        _report(path, batch_message(done, job.rollout_id))
+        _report(path, batch_message(done, [job.rollout_id]))
         outcome = execute_job(agent, job, store)
         store.flush(30.0)  # in the store before it is reported: a cut message falls back to the store
-        done[job.rollout_id] = outcome
-        _report(path, batch_message(done, None))
-        print(json.dumps({"rollout_id": job.rollout_id, **asdict(outcome)}, separators=(",", ":")), flush=True)
+        _finished(job, outcome, done, [], path)
+
+
+def _finished(job: RolloutJob, outcome: RolloutOutcome, done: dict[str, RolloutOutcome], running: list[str],
+              path: str) -> None:
+    done[job.rollout_id] = outcome
+    _report(path, batch_message(done, running))
+    print(json.dumps({"rollout_id": job.rollout_id, **asdict(outcome)}, separators=(",", ":")), flush=True)
+
+
+async def _run_concurrently(agent: AgentFn, jobs: list[RolloutJob], store: TraceStore, path: str,
+                            concurrency: int) -> None:
+    """Up to `concurrency` rollouts at once, started in order. An async agent's timeout cancels it; a
+    sync agent runs in a thread, which cannot be interrupted: past its timeout its late end is
+    recorded as a timeout (as the thread backend does), and the Job's deadline bounds the pod."""
+    slots = asyncio.Semaphore(concurrency)
+    done: dict[str, RolloutOutcome] = {}
+    running: list[str] = []
+    loop = asyncio.get_running_loop()
+    threads = ThreadPoolExecutor(concurrency + 1, thread_name_prefix="rollout")  # the default pool is CPU-sized
+
+    async def one(job: RolloutJob) -> None:
+        async with slots:
+            running.append(job.rollout_id)
+            _report(path, batch_message(done, running))
+            if inspect.iscoroutinefunction(agent):
+                outcome = await aexecute_job(agent, job, store)
+            else:
+                outcome = await loop.run_in_executor(threads, execute_job, agent, job, store)
+            await loop.run_in_executor(threads, store.flush, 30.0)
+            running.remove(job.rollout_id)
+            _finished(job, outcome, done, running, path)  # on the loop: one writer of `done` and the file
+
+    try:
+        await asyncio.gather(*(one(job) for job in jobs))
+    finally:
+        threads.shutdown(wait=False)
 
 
 def _report(path: str, text: str) -> None:

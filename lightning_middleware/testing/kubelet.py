@@ -278,7 +278,7 @@ def _instant_message(container: dict[str, Any]) -> str:
     if batch is None:
         return '{"status":"succeeded","reward":1.0}'
     ok = RolloutOutcome(status="succeeded", reward=1.0)
-    return batch_message({job["rollout_id"]: ok for job in json.loads(batch)}, None)
+    return batch_message({job["rollout_id"]: ok for job in json.loads(batch)}, [])
 
 
 def _kill_if_running(proc: asyncio.subprocess.Process) -> None:

@@ -272,3 +272,54 @@ def test_a_batch_that_never_starts_is_classified_and_requeued(cluster: Cluster, 
     assert first.status == "timeout" and first.attempts == 1 and "activeDeadlineSeconds (20s)" in (first.error or "")
     assert second.status == "succeeded" and second.attempts == 2  # never started: re-queued
     assert sq.query_rollouts(status="running") == []
+
+
+def test_a_pod_runs_its_batch_concurrently_with_pod_concurrency(cluster: Cluster, llm_server: LLMTestServer,
+                                                                 sq: TraceStore) -> None:
+    api, kubelet = cluster
+    tasks = A.make_tasks(llm_server, sq, 4, sleep=0.5)
+    tasks[1]["sleep"] = 60  # cancelled at its own timeout; its batch-mates run beside it
+    tasks[2]["crash"] = True
+    backend = _backend(api, 4, pod_concurrency=4, batch_linger_s=0.5)
+    with RolloutController("tests.controller.controller_agents:async_tool_agent", store=sq, backend=backend,
+                           concurrency=4, timeout_s=8.0, policy_version=0, retry=RetryPolicy(max_attempts=1)) as c:
+        results = {r.task_id: r for r in c.run(tasks)}
+        (job,) = api.objects("jobs", run_selector(backend.run_id))
+    assert results["t0"].status == results["t3"].status == "succeeded"
+    assert results["t1"].status == "timeout" and "8s timeout" in (results["t1"].error or "")
+    assert results["t2"].status == "failed" and results["t2"].error == "ValueError: tool exploded"
+    assert A.max_overlap(sq.query_rollouts()) == 4 and kubelet.pods_started == 1  # all four at once, one pod
+    assert _env(job)["LIGHTNING_ROLLOUT_CONCURRENCY"] == "4"
+    assert job["spec"]["activeDeadlineSeconds"] == 2 * 8 + 30  # the last starts within one timeout
+
+
+def test_a_pod_killed_with_several_rollouts_running_fails_those_only(cluster: Cluster, llm_server: LLMTestServer,
+                                                                    sq: TraceStore, tmp_path: Path) -> None:
+    api, kubelet = cluster
+    tasks = A.make_tasks(llm_server, sq, 6, sleep=0.3)
+    pidfile = str(tmp_path / "pid")
+    tasks[3]["pidfile"] = pidfile
+
+    def killer() -> None:
+        end = time.monotonic() + 60
+        while not os.path.exists(pidfile) and time.monotonic() < end:
+            time.sleep(0.02)
+        with open(pidfile) as f:
+            kubelet.kill_pod(int(f.read()), "evict")
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    backend = _backend(api, 6, pod_concurrency=2, batch_linger_s=0.5)
+    with RolloutController(AGENT, store=sq, backend=backend, concurrency=6, timeout_s=60, policy_version=0,
+                           retry=RetryPolicy(max_attempts=3, backoff_s=0.05)) as c:
+        results = c.run(tasks)
+    thread.join(10)
+    assert all(r.status == "succeeded" for r in results)
+    firsts = {r.task_id: sq.get_rollout(r.rollout_ids[0]) for r in results}
+    killed = firsts["t3"]
+    assert killed is not None and "PodEvicted" in (killed.error or "") and len(sq.calls(killed.id)) == 1
+    errors = {tid: (row.error or "").split(":")[0] for tid, row in firsts.items() if row and row.status == "failed"}
+    assert set(errors.values()) <= {"PodEvicted", "BatchCutShort"} and errors["t3"] == "PodEvicted"
+    assert all(r.attempts == (2 if r.task_id in errors else 1) for r in results)  # finished ones never rerun
+    assert sq.count("llm_calls") == sum(len(sq.calls(i)) for r in results for i in r.rollout_ids)
+    assert all(len(sq.calls(r.rollout_id)) == 2 for r in results)

@@ -35,6 +35,7 @@ from lightning_middleware.controller.backends.k8s_template import (
     active_deadline_s,
     batch_job_name,
     batch_manifest,
+    batch_rounds,
     job_manifest,
     job_name,
     jobs_payload,
@@ -71,14 +72,15 @@ class _Tracked:
 class KubernetesBackend:
     """One Kubernetes Job per rollout (or per batch of up to `rollouts_per_job`), in `template.namespace`.
 
-    `rollouts_per_job`: a Job's pod runs up to this many rollouts one after another (each with its own
-    timeout and outcome), saving a pod start per rollout; a batch leaves when full or `batch_linger_s`
-    after its first rollout arrived. `max_jobs`: at most this many of this run's Jobs exist at once
-    (the controller's `concurrency` counts rollouts, batched or not). `network_policy`: create the
-    sandbox NetworkPolicy at start (`sandbox.egress_to`); usually it is part of the manifests instead.
-    `backstop_s`: past the Job's deadline, the controller stops waiting for the cluster and deletes
-    the Job itself. `close()` deletes the run's Jobs: leaving `with RolloutController(...)` on Ctrl-C
-    does it, and `lightning-mw rollouts run` turns SIGTERM into Ctrl-C (in your own program:
+    `rollouts_per_job`: a Job's pod runs up to this many rollouts, one after another or
+    `pod_concurrency` at a time, each with its own timeout and outcome, saving a pod start per rollout;
+    a batch leaves when full or `batch_linger_s` after its first rollout arrived. `max_jobs`: at most
+    this many of this run's Jobs exist at once (the controller's `concurrency` counts rollouts).
+    `network_policy`: create the sandbox NetworkPolicy at start (`sandbox.egress_to`); usually it is
+    part of the manifests. `backstop_s`: past the Job's deadline, the controller stops waiting for the
+    cluster and deletes the Job itself. `close()` deletes the run's Jobs: leaving
+    `with RolloutController(...)` on Ctrl-C does it, and `lightning-mw rollouts run` turns SIGTERM
+    into Ctrl-C (in your own program:
     `signal.signal(signal.SIGTERM, signal.default_int_handler)`).
     """
 
@@ -89,11 +91,14 @@ class KubernetesBackend:
                  context: str | None = None, run_id: str | None = None, max_jobs: int | None = None,
                  api_threads: int = 16, log_lines: int = 20, network_policy: bool = False,
                  backstop_s: float = 30.0, watch_timeout_s: int = 60, start_timeout_s: float = 30.0,
-                 settle_s: float = 5.0, rollouts_per_job: int = 1, batch_linger_s: float = 0.1) -> None:
-        if rollouts_per_job < 1:
-            raise ValueError(f"rollouts_per_job must be >= 1, not {rollouts_per_job}")
+                 settle_s: float = 5.0, rollouts_per_job: int = 1, batch_linger_s: float = 0.1,
+                 pod_concurrency: int = 1) -> None:
+        if rollouts_per_job < 1 or pod_concurrency < 1:
+            raise ValueError(f"rollouts_per_job and pod_concurrency must be >= 1, not {rollouts_per_job}, "
+                             f"{pod_concurrency}")
         self.template = template
         self.rollouts_per_job = rollouts_per_job
+        self.pod_concurrency = pod_concurrency
         self.batch_linger_s = batch_linger_s
         self.jobs_created = 0
         self.namespace = template.namespace
@@ -280,7 +285,7 @@ class KubernetesBackend:
 
     def _track(self, jobs: list[RolloutJob]) -> _Tracked:
         loop = asyncio.get_running_loop()
-        deadline = active_deadline_s(self.template, jobs[0].timeout_s, len(jobs))
+        deadline = active_deadline_s(self.template, jobs[0].timeout_s, batch_rounds(len(jobs), self.pod_concurrency))
         if len(jobs) == 1:
             rid = jobs[0].rollout_id
             tracked = _Tracked(jobs, ROLLOUT_LABEL, rid, job_name(self.template, rid), deadline, loop, asyncio.Event())
@@ -296,7 +301,7 @@ class KubernetesBackend:
         if tracked.label == ROLLOUT_LABEL:
             return job_manifest(self.template, tracked.jobs[0], run_id=self.run_id, agent_ref=self._agent_ref)
         return batch_manifest(self.template, tracked.jobs, run_id=self.run_id, batch_id=tracked.key,
-                              agent_ref=self._agent_ref)
+                              agent_ref=self._agent_ref, concurrency=self.pod_concurrency)
 
     async def _create(self, manifest: dict[str, Any], t0: float) -> RolloutOutcome | None:
         from kubernetes.client import ApiException
@@ -386,19 +391,19 @@ class KubernetesBackend:
         took = time.monotonic() - t0
         return [replace(o, duration_s=took) if o.ended_by_controller or not o.duration_s else o for o in outcomes]
 
-    def _stored_outcomes(self, jobs: list[RolloutJob]) -> tuple[dict[str, RolloutOutcome], str | None]:
+    def _stored_outcomes(self, jobs: list[RolloutJob]) -> tuple[dict[str, RolloutOutcome], list[str]]:
         """The rollouts of `jobs` the store has ended (no error types: a retry policy cannot match
-        those), and one it still has running (the one the pod was on)."""
+        those), and those it still has running (the ones the pod was on)."""
         self._store.flush(5.0)
         done: dict[str, RolloutOutcome] = {}
-        running = None
+        running = []
         for job in jobs:
             found = self._store.get_rollout(job.rollout_id)
             if found is not None and found.status != RolloutStatus.RUNNING:
                 done[job.rollout_id] = RolloutOutcome(status=found.status.value, reward=found.final_reward,
                                                       error=found.error, duration_s=found.duration_s or 0.0)
-            elif found is not None and running is None:
-                running = job.rollout_id
+            elif found is not None:
+                running.append(job.rollout_id)
         return done, running
 
     async def _with_logs(self, tracked: _Tracked, verdict: Verdict) -> RolloutOutcome:

@@ -2,10 +2,11 @@
 gathered into batches, what a batch's pod reports, and how a batch's end becomes one outcome per
 rollout. Pure asyncio and JSON, no Kubernetes client (the worker in the pod imports this too).
 
-The pod runs its rollouts one after another (each with its own timeout, the worker's SIGALRM) and
-rewrites its termination message after each: the outcomes so far and the rollout now running. A
-pod killed mid-batch (OOM, eviction, a lost node) so still reports what finished; the rollout it
-was running gets the pod's verdict, the ones it never started are `BatchCutShort` (retried).
+The pod runs its rollouts one after another (each with its own timeout, the worker's SIGALRM), or
+up to `pod_concurrency` at once, and rewrites its termination message as each starts and ends: the
+outcomes so far and the rollouts now running. A pod killed mid-batch (OOM, eviction, a lost node)
+so still reports what finished; the rollouts it was running get the pod's verdict, the ones it never
+started are `BatchCutShort` (retried).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ class BatchCutShort(WorkerLost):
 
 
 # -- what the pod reports ----------------------------------------------------------------
-def batch_message(done: dict[str, RolloutOutcome], running: str | None, limit: int = MESSAGE_LIMIT) -> str:
-    """The termination message: `{"batch": {rollout id: outcome}, "running": id}` within `limit` bytes.
+def batch_message(done: dict[str, RolloutOutcome], running: list[str], limit: int = MESSAGE_LIMIT) -> str:
+    """The termination message: `{"batch": {rollout id: outcome}, "running": [ids]}` within `limit` bytes.
     Error texts are shortened first, then the oldest outcomes dropped (the controller reads those
     from the store, which has them: the worker flushes before it reports)."""
     items = {rid: _compact(o) for rid, o in done.items()}
@@ -56,16 +57,16 @@ def _compact(outcome: RolloutOutcome) -> dict[str, Any]:
     return data
 
 
-def parse_batch_message(message: str | None, worker: str | None) -> tuple[dict[str, RolloutOutcome], str | None]:
-    """The outcomes a batch's pod reported and the rollout it was running; ({}, None) if none."""
+def parse_batch_message(message: str | None, worker: str | None) -> tuple[dict[str, RolloutOutcome], list[str]]:
+    """The outcomes a batch's pod reported and the rollouts it was running; ({}, []) if none."""
     if not message:
-        return {}, None
+        return {}, []
     try:
         data = json.loads(message.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        return {}, None
+        return {}, []
     if not isinstance(data, dict) or not isinstance(data.get("batch"), dict):
-        return {}, None
+        return {}, []
     done = {}
     for rid, item in data["batch"].items():
         if isinstance(item, dict) and "status" in item:
@@ -73,24 +74,24 @@ def parse_batch_message(message: str | None, worker: str | None) -> tuple[dict[s
             done[rid] = RolloutOutcome(**{**item, "error_types": tuple(item.get("error_types") or ()),
                                           "worker": worker})
     running = data.get("running")
-    return done, running if isinstance(running, str) else None
+    return done, [str(r) for r in running] if isinstance(running, list) else []
 
 
 # -- one outcome per rollout -------------------------------------------------------------
-def assign(jobs: list[RolloutJob], done: dict[str, RolloutOutcome], running: str | None,
+def assign(jobs: list[RolloutJob], done: dict[str, RolloutOutcome], running: list[str],
            job_outcome: RolloutOutcome | None, worker: str | None) -> list[RolloutOutcome]:
     """Every rollout of a batch: its own outcome if it finished; the pod's verdict (`job_outcome`)
-    for the one it was running (or the first not finished, if none is known to run); BatchCutShort
-    for those after it. A pod that exited cleanly without ending a rollout: WorkerLost."""
+    for those it was running (or the first not finished, if none is known to run); BatchCutShort
+    for those it never started. A pod that exited cleanly without ending a rollout: WorkerLost."""
     unfinished = [j.rollout_id for j in jobs if j.rollout_id not in done]
-    first = running if running in unfinished else (unfinished[0] if unfinished else None)
+    hit = {r for r in running if r in unfinished} or set(unfinished[:1])
     why = job_outcome.error if job_outcome is not None else None
     out = []
     for job in jobs:
         rid = job.rollout_id
         if rid in done:
             out.append(done[rid])
-        elif rid == first and job_outcome is not None:
+        elif rid in hit and job_outcome is not None:
             out.append(job_outcome)
         elif job_outcome is None:
             out.append(_lost(WorkerLost(f"the rollout pod ended without ending rollout {rid} in the store"), worker))

@@ -27,6 +27,7 @@ ROLLOUTS_ANNOTATION = "lightning-middleware/rollouts"  # a batch Job's rollout i
 ENV_AGENT = "LIGHTNING_AGENT"
 ENV_JOB = "LIGHTNING_ROLLOUT_JOB"
 ENV_JOBS = "LIGHTNING_ROLLOUT_JOBS"  # a batch: the RolloutJobs as a JSON list, run in that order
+ENV_CONCURRENCY = "LIGHTNING_ROLLOUT_CONCURRENCY"  # a batch's rollouts at once in the pod (default 1)
 ENV_STORE = "LIGHTNING_STORE_URL"
 ENV_TERMINATION_LOG = "LIGHTNING_TERMINATION_LOG"
 DEFAULT_COMMAND = ("lightning-mw", "rollouts", "worker")
@@ -151,6 +152,12 @@ def active_deadline_s(template: PodTemplate, timeout_s: float | None, count: int
     return None if timeout_s is None else max(1, math.ceil(count * timeout_s + template.startup_grace_s))
 
 
+def batch_rounds(count: int, concurrency: int) -> int:
+    """Timeouts a batch of `count` rollouts can take, `concurrency` at a time, each starting as a slot
+    frees: the last one starts after at most (count - 1) / concurrency timeouts and runs one more."""
+    return 1 + -(-(count - 1) // concurrency)
+
+
 def jobs_payload(jobs: list[RolloutJob]) -> str:
     """What a pod's env carries: one job as a JSON object, a batch as a JSON list (no store URL:
     the pod has its own)."""
@@ -206,21 +213,26 @@ def job_manifest(template: PodTemplate, job: RolloutJob, *, run_id: str, agent_r
 
 
 def batch_manifest(template: PodTemplate, jobs: list[RolloutJob], *, run_id: str, batch_id: str,
-                   agent_ref: str) -> dict[str, Any]:
-    """The Job for a batch of rollouts run one after another in one pod: labelled by the batch, its
-    rollout and task ids annotated (JSON lists, in run order), the deadline the sum of their timeouts."""
+                   agent_ref: str, concurrency: int = 1) -> dict[str, Any]:
+    """The Job for a batch of rollouts run in one pod, `concurrency` at a time (in order): labelled by
+    the batch, its rollout and task ids annotated (JSON lists, in run order), the deadline what its
+    rollouts take at most (batch_rounds timeouts)."""
     labels = {**rollout_labels(template, run_id), BATCH_LABEL: batch_id}
     annotations = {ROLLOUTS_ANNOTATION: json.dumps([j.rollout_id for j in jobs]),
                    TASK_ANNOTATION: json.dumps([j.task_id for j in jobs])}
     meta = {"name": batch_job_name(template, batch_id), "namespace": template.namespace, "labels": labels,
             "annotations": annotations}
-    return _manifest(template, jobs, meta, agent_ref)
+    return _manifest(template, jobs, meta, agent_ref, concurrency)
 
 
-def _manifest(template: PodTemplate, jobs: list[RolloutJob], meta: dict[str, Any], agent_ref: str) -> dict[str, Any]:
+def _manifest(template: PodTemplate, jobs: list[RolloutJob], meta: dict[str, Any], agent_ref: str,
+              concurrency: int = 1) -> dict[str, Any]:
     labels = meta["labels"]
+    env = _env(template, jobs, agent_ref)
+    if concurrency > 1:
+        env.append({"name": ENV_CONCURRENCY, "value": str(concurrency)})
     container: dict[str, Any] = {"name": "rollout", "image": template.image, "command": list(template.command),
-                                 "env": _env(template, jobs, agent_ref),
+                                 "env": env,
                                  "terminationMessagePath": "/dev/termination-log",
                                  "terminationMessagePolicy": "FallbackToLogsOnError"}
     if template.resources:
@@ -237,7 +249,8 @@ def _manifest(template: PodTemplate, jobs: list[RolloutJob], meta: dict[str, Any
     spec: dict[str, Any] = {"backoffLimit": 0, "ttlSecondsAfterFinished": template.ttl_seconds_after_finished,
                             "template": {"metadata": {"labels": labels}, "spec": pod}}
     timeouts = [j.timeout_s for j in jobs]
-    deadline = None if None in timeouts else active_deadline_s(template, max(t or 0.0 for t in timeouts), len(jobs))
+    deadline = None if None in timeouts else active_deadline_s(template, max(t or 0.0 for t in timeouts),
+                                                               batch_rounds(len(jobs), concurrency))
     if deadline is not None:
         spec["activeDeadlineSeconds"] = deadline
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": spec}
