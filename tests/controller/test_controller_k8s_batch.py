@@ -219,17 +219,17 @@ def test_the_termination_message_fits_and_reads_back() -> None:
                          error_types=("builtins.ConnectionError", "builtins.OSError", "builtins.Exception"))
     done = {f"{i:032x}": err if i % 2 else RolloutOutcome(status="succeeded", reward=0.5, duration_s=1.23456)
             for i in range(8)}
-    text = batch_message(done, "f" * 32)
+    text = batch_message(done, ["f" * 32, "e" * 32])
     assert len(text.encode()) <= 4096
     back, running = parse_batch_message(text, "pod-1")
-    assert running == "f" * 32 and set(back) == set(done)
+    assert running == ["f" * 32, "e" * 32] and set(back) == set(done)
     assert back[f"{1:032x}"].error_types == err.error_types
     assert (back[f"{1:032x}"].error or "").startswith("ConnectionError: e")
     assert back[f"{0:032x}"] == RolloutOutcome(status="succeeded", reward=0.5, duration_s=1.235, worker="pod-1")
     many = {f"{i:032x}": err for i in range(200)}  # too many to fit: the newest kept, the rest from the store
-    back, _ = parse_batch_message(batch_message(many, None), None)
+    back, _ = parse_batch_message(batch_message(many, []), None)
     assert 0 < len(back) < 200 and f"{199:032x}" in back
-    assert parse_batch_message("not json", None) == ({}, None)
+    assert parse_batch_message("not json", None) == ({}, [])
 
 
 def test_reap_keeps_a_batch_job_while_any_of_its_rollouts_heartbeats(cluster: Cluster, sq: TraceStore) -> None:
