@@ -323,3 +323,21 @@ def test_a_pod_killed_with_several_rollouts_running_fails_those_only(cluster: Cl
     assert all(r.attempts == (2 if r.task_id in errors else 1) for r in results)  # finished ones never rerun
     assert sq.count("llm_calls") == sum(len(sq.calls(i)) for r in results for i in r.rollout_ids)
     assert all(len(sq.calls(r.rollout_id)) == 2 for r in results)
+
+
+def test_a_pods_verdict_goes_to_the_rollouts_it_was_running() -> None:
+    from lightning_middleware.controller.backends.k8s_batch import assign
+
+    a, b, c = (RolloutJob(rollout_id=x * 32, task_id="t", task={}) for x in "abc")
+    evicted = RolloutOutcome(status="failed", error="PodEvicted: pod p was evicted", ended_by_controller=True)
+    ok = RolloutOutcome(status="succeeded", reward=1.0)
+
+    def errors(done: dict[str, RolloutOutcome], running: list[str], verdict: RolloutOutcome | None) -> list[str]:
+        return [(o.error or o.status).split(":")[0] for o in assign([a, b, c], done, running, verdict, "p")]
+
+    assert errors({a.rollout_id: ok}, [b.rollout_id], evicted) == ["succeeded", "PodEvicted", "BatchCutShort"]
+    assert errors({a.rollout_id: ok}, [b.rollout_id, c.rollout_id], evicted) == ["succeeded", "PodEvicted",
+                                                                                 "PodEvicted"]
+    assert errors({}, [], evicted) == ["PodEvicted", "BatchCutShort", "BatchCutShort"]  # nothing known: the first
+    assert errors({a.rollout_id: ok}, [a.rollout_id], evicted) == ["succeeded", "BatchCutShort", "BatchCutShort"]
+    assert errors({a.rollout_id: ok}, [], None) == ["succeeded", "WorkerLost", "WorkerLost"]  # a clean exit

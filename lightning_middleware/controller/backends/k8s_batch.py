@@ -81,10 +81,12 @@ def parse_batch_message(message: str | None, worker: str | None) -> tuple[dict[s
 def assign(jobs: list[RolloutJob], done: dict[str, RolloutOutcome], running: list[str],
            job_outcome: RolloutOutcome | None, worker: str | None) -> list[RolloutOutcome]:
     """Every rollout of a batch: its own outcome if it finished; the pod's verdict (`job_outcome`)
-    for those it was running (or the first not finished, if none is known to run); BatchCutShort
+    for those it was running (or the first not finished, if none is known to have run); BatchCutShort
     for those it never started. A pod that exited cleanly without ending a rollout: WorkerLost."""
     unfinished = [j.rollout_id for j in jobs if j.rollout_id not in done]
-    hit = {r for r in running if r in unfinished} or set(unfinished[:1])
+    # Known to be running (the message or the store says so): they get the verdict, even if all of
+    # them finished after all; nothing known: the first not finished (it was starting, or never could).
+    hit = {r for r in running if r in unfinished} if running else set(unfinished[:1])
     why = job_outcome.error if job_outcome is not None else None
     out = []
     for job in jobs:
