@@ -148,7 +148,7 @@ def rollout_labels(template: PodTemplate, run_id: str, rollout_id: str | None = 
 
 
 def active_deadline_s(template: PodTemplate, timeout_s: float | None, count: int = 1) -> int | None:
-    """A Job's deadline: its rollouts run one after another, so `count` timeouts plus the start-up grace."""
+    """A Job's deadline: `count` timeouts (a batch's `batch_rounds`) plus the start-up grace."""
     return None if timeout_s is None else max(1, math.ceil(count * timeout_s + template.startup_grace_s))
 
 
