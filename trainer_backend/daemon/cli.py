@@ -76,6 +76,8 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--default-policy": ("lora.default_policy", str, "the policy that trains calls of any other model"),
     "--reward-version": ("rewards.version", str, "train on the final reward of this reward configuration's hash "
                                                  "(lightning-mw rewards check/rescore print it)"),
+    "--reward-config": ("rewards.config", str, "a reward configuration whose ranking judge ranks each ready group "
+                                               "before it trains (and whose version is trained on)"),
     "--precision": ("engine.precision", str, "auto (bf16 where native and faster, else fp32) | fp32 | bf16 | "
                                              "bf16-autocast"),
     "--micro-batch-tokens": ("engine.micro_batch_tokens", int, "padded tokens per micro-batch"),

@@ -159,6 +159,8 @@ class MonitorSettings(_Section):
 class RewardSettings(_Section):
     # a reward configuration's hash: train on the final reward stored under it (a rescore's version)
     version: str | None = None
+    # a reward configuration file whose ranking judge the daemon runs on each ready group
+    config: str | None = None
     wait_for: dict[str, float] = Field(default_factory=dict)  # component -> seconds after the rollout ended
     on_deadline: Literal["train_without", "skip"] = "train_without"
 
@@ -299,7 +301,7 @@ class TrainerSettings(_Section):
             health=HealthConfig(enabled=m.health_checks, entropy_floor=m.entropy_floor, kl_limit=m.kl_limit,
                                 grad_spike=m.grad_spike),
             eval=policy, rewards=RewardPolicy(version=self.rewards.version, wait_for=dict(self.rewards.wait_for),
-                                              on_deadline=self.rewards.on_deadline))
+                                              on_deadline=self.rewards.on_deadline, config=self.rewards.config))
 
 
 def _toml_value(value: Any) -> str:
