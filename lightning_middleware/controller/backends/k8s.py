@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lightning_middleware.controller.backends.k8s_batch import Batcher, assign, parse_batch_message
+from lightning_middleware.controller.backends.k8s_batch import Batcher, assign, parse_batch_message, termination_message
 from lightning_middleware.controller.backends.k8s_client import (
     KubernetesAPIError,
     agent_reference,
@@ -381,7 +381,7 @@ class KubernetesBackend:
         if verdict.delete_job:
             await self._call(self._delete_job, tracked.name)
         pod = verdict.pod_name or ((tracked.pod or {}).get("metadata") or {}).get("name")
-        done, running = parse_batch_message(_termination_message(tracked.pod), pod)
+        done, running = parse_batch_message(termination_message(tracked.pod), pod)
         missing = [j for j in tracked.jobs if j.rollout_id not in done]
         if missing:
             stored, in_store_running = await self._call(self._stored_outcomes, missing)
@@ -444,8 +444,3 @@ class KubernetesBackend:
         except ApiException as exc:
             if exc.status != 404:
                 log.warning("deleting the rollout Job %s failed: %s", name, exc)
-
-
-def _termination_message(pod: dict[str, Any] | None) -> str | None:
-    statuses = ((pod or {}).get("status") or {}).get("containerStatuses") or [{}]
-    return ((statuses[0].get("state") or {}).get("terminated") or {}).get("message")

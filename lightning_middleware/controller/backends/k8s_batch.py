@@ -57,6 +57,12 @@ def _compact(outcome: RolloutOutcome) -> dict[str, Any]:
     return data
 
 
+def termination_message(pod: dict[str, Any] | None) -> str | None:
+    """What the pod's container wrote to its termination-message file (the batch's report)."""
+    statuses = ((pod or {}).get("status") or {}).get("containerStatuses") or [{}]
+    return ((statuses[0].get("state") or {}).get("terminated") or {}).get("message")
+
+
 def parse_batch_message(message: str | None, worker: str | None) -> tuple[dict[str, RolloutOutcome], list[str]]:
     """The outcomes a batch's pod reported and the rollouts it was running; ({}, []) if none."""
     if not message:
