@@ -29,7 +29,8 @@ A row is one token sequence the model is trained on. The rule (docs/trainer.md):
    The completion's token IDs, logprobs and the choice's index in `Row.choices` are that
    choice's own, so every behaviour logprob belongs to the token it is trained with.
 
-Advantages are not computed here: `Row.advantage` is 0.0 until `with_advantages`.
+Advantages are not computed here: `Row.advantage` is 0.0 until `with_advantages` (per-turn
+credit sets `token_advantages` too: trainer_backend/algorithms/credit.py).
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ class Row:
     # The served model name its calls went to: with separate policies per agent, the policy
     # (a row never mixes two; calls of one agent under two models start separate rows).
     policy: str | None = None
+    # Per-turn credit (trainer_backend/algorithms/credit.py): per token, the advantage of the call
+    # whose completion holds it (0.0 off the completions); None: `advantage` on every token.
+    token_advantages: tuple[float, ...] | None = None
+    # Per token, the per-step reward of the call whose completion ends there (PPO's GAE with
+    # per-turn credit); None: only the rollout's reward, at the last response token.
+    token_rewards: tuple[float, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)

@@ -6,6 +6,7 @@ transcripts, dataset export.
     rollouts = A.load_rollouts(store)                     # one row per rollout, with token/turn/latency columns
     A.success_by_task(rollouts)
     print(A.transcript(store, rollouts.rollout_id[0]).text())
+    A.compare_reward_versions(store, "agent", "3f2a...")  # two reward versions side by side
 
 Importing this package stays light: pandas is imported by the functions that need it.
 """
@@ -31,13 +32,16 @@ from lightning_middleware.analysis.metrics import (
                                                   success_by_task,
 )
 from lightning_middleware.analysis.transcripts import Transcript, TranscriptEntry, trained_spans, transcript
+from lightning_middleware.analysis.versions import RewardComparison, compare_reward_versions, reward_versions
 from lightning_middleware.store import open_store
 
 __all__ = [
     "DEFAULT_SUCCESS_THRESHOLD",
+    "RewardComparison",
     "Transcript",
     "TranscriptEntry",
     "best_and_worst",
+    "compare_reward_versions",
     "latency_summary",
     "load_calls",
     "load_policy_versions",
@@ -50,6 +54,7 @@ __all__ = [
     "retries",
     "reward_by_policy_version",
     "reward_by_train_step",
+    "reward_versions",
     "row_stats",
     "success_by_task",
     "tokens_and_turns",

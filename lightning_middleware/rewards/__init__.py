@@ -8,7 +8,8 @@ reward, reward-hacking guards, per-step rewards, re-scoring stored rollouts, a l
 
 `config` (the configuration and its hash), `trajectory` (a rollout as reward functions see it),
 `rules` (rule rewards and the built-ins), `guards` (reward-hacking penalties), `sources` (the
-reward model, human labels, calibration), `combine` (scoring and storing: `Scorer`), `rescore`,
+reward model, human labels, calibration), `ranking` (the judge that ranks a group's rollouts),
+`combine` (scoring and storing: `Scorer`), `rescore`,
 `steps` (per-step rewards as token-level rewards), `labelling` (the labelling page's app), `cli`.
 docs/rewards.md has the format and the rules.
 """
@@ -18,12 +19,14 @@ from lightning_middleware.rewards.config import (
     Component,
     ConfigError,
     HumanConfig,
+    RankJudgeConfig,
     RewardConfig,
     RewardModelConfig,
     load_config,
 )
 from lightning_middleware.rewards.guards import BUILTIN_GUARDS
 from lightning_middleware.rewards.protect import ProtectedFiles
+from lightning_middleware.rewards.ranking import GroupRanking, RankParseError, parse_ranking
 from lightning_middleware.rewards.rescore import RescoreReport, calibration, rescore
 from lightning_middleware.rewards.rules import BUILTIN_RULES, Score
 from lightning_middleware.rewards.sources import Calibration, RewardModelError, wants_label
@@ -37,8 +40,11 @@ __all__ = [
     "Component",
     "ComponentValue",
     "ConfigError",
+    "GroupRanking",
     "HumanConfig",
     "ProtectedFiles",
+    "RankJudgeConfig",
+    "RankParseError",
     "RescoreReport",
     "RewardConfig",
     "RewardModelConfig",
@@ -53,6 +59,7 @@ __all__ = [
     "calibration",
     "load_config",
     "load_trajectory",
+    "parse_ranking",
     "rescore",
     "token_rewards",
     "wants_label",

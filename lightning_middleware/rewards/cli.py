@@ -44,7 +44,8 @@ def add_cli(sub: Any) -> None:
     r.add_argument("--since", type=float, default=None, help="only rollouts created at or after (epoch seconds)")
     r.add_argument("--limit", type=int, default=None)
     r.add_argument("--reuse-model", action="store_true",
-                   help="take a reward-model value stored under this configuration instead of asking again")
+                   help="take a reward-model (or ranking-judge) value stored under this configuration "
+                        "instead of asking again")
     r.set_defaults(func=_rescore)
 
     k = cmds.add_parser("calibrate", help="the reward model's values against human labels")
@@ -86,8 +87,7 @@ def _rescore(args: argparse.Namespace) -> int:
         raise UsageError(str(exc.args[0])) from None
     finally:
         store.close()
-    print(f"re-scored {report.rollouts} rollouts under {report.config_hash}: {report.with_final} with a final "
-          f"reward, {report.applied} applied to final_reward, {report.rewards_written} rewards written")
+    print(report.summary())
     return 0
 
 

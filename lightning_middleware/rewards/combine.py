@@ -10,6 +10,13 @@ A component that fails (a rule raising, the judge unreachable) is recorded in a 
 reward; with `on_error = "drop"` (the default) the rollout then gets no final reward, so it is
 never trained on a signal with a term missing; with "partial" the final reward is the sum of the
 rest. A component that does not apply (a rule returning None, no human label yet) is absent.
+
+The ranking judge (ranking.py) scores a group, not a rollout: `score_group` asks it once for
+the group and scores each member with its share. A rollout scored alone (as it ends, or again
+after a late label) reuses the value its group got; before its group is ranked the component is
+pending and the rollout has no final reward yet, so nothing trains on a sum with the judge's
+term missing. A group of one has no ranking: the component is absent, the final's metadata
+says why (`notes`).
 """
 
 from __future__ import annotations
@@ -21,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_middleware.records import Reward, RolloutStatus
-from lightning_middleware.rewards.config import Component, RewardConfig
+from lightning_middleware.rewards.config import RANK_JUDGE, Component, RewardConfig
 from lightning_middleware.rewards.guards import BUILTIN_GUARDS
+from lightning_middleware.rewards.ranking import GroupRanking, rank_group
 from lightning_middleware.rewards.rules import BUILTIN_RULES, Rule, Score, as_score, resolve
 from lightning_middleware.rewards.sources import human_score, local_scorer, model_score
 from lightning_middleware.rewards.trajectory import HUMAN, Trajectory, load_trajectory
@@ -44,6 +52,8 @@ class ComponentValue:
     value: float | None  # None: absent, or failed (then `error` says why)
     detail: Mapping[str, Any] = field(default_factory=dict)
     error: str | None = None
+    note: str | None = None  # why an absent component is absent (kept in the final's metadata)
+    pending: bool = False  # still to come (the ranking of the rollout's group): no final reward yet
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,10 @@ class Scored:
     @property
     def errors(self) -> dict[str, str]:
         return {c.name: c.error for c in self.components if c.error is not None}
+
+    @property
+    def pending(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.components if c.pending)
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,7 @@ class Scorer:
         self._functions = {c.name: resolve(c, builtins[c.kind]) for c in config.components}
         self._scorer = local_scorer(config.reward_model) if config.reward_model else None
         self._zeroing = {c.name for c in config.guards if c.action == "zero"}
+        self._hinted = False  # the "waiting for its group" hint is logged once per scorer
 
     # -- computing -----------------------------------------------------------------
     def _run(self, c: Component, t: Trajectory) -> ComponentValue:
@@ -114,16 +129,55 @@ class Scorer:
             log.warning("reward model failed on rollout %s: %s", t.rollout.id, exc)
             return ComponentValue(REWARD_MODEL, REWARD_MODEL, cfg.weight, None, error=f"{type(exc).__name__}: {exc}")
 
-    def score(self, t: Trajectory, *, reuse_model: bool = False) -> Scored:
+    def _stored_rank(self, t: Trajectory) -> ComponentValue:
+        """The ranking judge's value from the rollout's group, as stored; pending if none yet."""
+        cfg = self.config.rank_judge
+        assert cfg is not None
+        stored = _latest(t.rewards, RANK_JUDGE, self.hash)
+        if stored is not None:
+            return ComponentValue(RANK_JUDGE, RANK_JUDGE, cfg.weight, stored.value,
+                                  dict(stored.metadata.get("detail") or {}))
+        final = _latest(t.rewards, FINAL, self.hash)
+        note = ((final.metadata.get("notes") or {}).get(RANK_JUDGE) if final is not None else None)
+        if note:  # its group was scored and had no ranking (a group of one): still absent
+            return ComponentValue(RANK_JUDGE, RANK_JUDGE, cfg.weight, None, note=str(note))
+        return ComponentValue(RANK_JUDGE, RANK_JUDGE, cfg.weight, None, pending=True,
+                              note="waiting for its group to be ranked")
+
+    def _group_rank(self, ranking: GroupRanking, rollout_id: str) -> ComponentValue:
+        cfg = self.config.rank_judge
+        assert cfg is not None
+        if ranking.error is not None:
+            return ComponentValue(RANK_JUDGE, RANK_JUDGE, cfg.weight, None, error=ranking.error)
+        if rollout_id not in ranking.values:
+            return ComponentValue(RANK_JUDGE, RANK_JUDGE, cfg.weight, None, note=ranking.note)
+        return ComponentValue(RANK_JUDGE, RANK_JUDGE, cfg.weight, ranking.values[rollout_id],
+                              dict(ranking.detail[rollout_id]))
+
+    def score_group(self, group: Sequence[Trajectory], *, reuse_model: bool = False) -> tuple[list[Scored],
+                                                                                                GroupRanking | None]:
+        """Score the rollouts of one group (one task), the ranking judge asked once for all of them
+        (unless `reuse_model` and each already has its value). The ranking is None without a judge."""
+        cfg = self.config.rank_judge
+        if cfg is None or (reuse_model and all(_latest(t.rewards, RANK_JUDGE, self.hash) for t in group)):
+            return [self.score(t, reuse_model=reuse_model) for t in group], None
+        ranking = rank_group(group, cfg)
+        return [self.score(t, reuse_model=reuse_model, rank=self._group_rank(ranking, t.rollout.id))
+                for t in group], ranking
+
+    def score(self, t: Trajectory, *, reuse_model: bool = False, rank: ComponentValue | None = None) -> Scored:
         """Every component of `t` and the final reward. `reuse_model`: take the reward model's
-        value stored under this configuration, if there is one, instead of asking it again."""
+        value stored under this configuration, if there is one, instead of asking it again.
+        `rank`: the ranking judge's component from `score_group` (else the stored one)."""
         parts = [self._run(c, t) for c in self.config.components]
         if self.config.reward_model is not None:
             parts.append(self._model(t, reuse_model))
+        if self.config.rank_judge is not None:
+            parts.append(rank if rank is not None else self._stored_rank(t))
         if self.config.human is not None:
             parts.append(self._value(HUMAN, HUMAN, self.config.human.weight, human_score(t)))
         failed = any(p.error for p in parts)
-        final = None if failed and self.config.on_error == "drop" else sum(
+        final = None if (failed and self.config.on_error == "drop") or any(p.pending for p in parts) else sum(
             p.weight * p.value for p in parts if p.value is not None)
         zeroed = tuple(p.name for p in parts if p.name in self._zeroing and (p.value or 0.0) > 0)
         if zeroed and final is not None:
@@ -155,6 +209,7 @@ class Scorer:
                 out.append(Reward(rid, scored.final, name=FINAL, final=final, created_at=now, config_hash=h,
                                   metadata={"components": scored.values, "weights": self.config.weights,
                                             "absent": [p.name for p in scored.components if p.value is None],
+                                            **_notes(scored),
                                             **({"zeroed_by": list(scored.zeroed_by)} if scored.zeroed_by else {})}))
         return out
 
@@ -168,13 +223,25 @@ class Scorer:
         t = load_trajectory(store, rollout_id, status=status)
         return self.store_scored(store, t, apply=apply, reuse_model=reuse_model)
 
-    def store_scored(self, store: TraceStore, t: Trajectory, *, apply: str, reuse_model: bool = False) -> Written:
-        scored = self.score(t, reuse_model=reuse_model)
+    def store_scored(self, store: TraceStore, t: Trajectory, *, apply: str, reuse_model: bool = False,
+                     scored: Scored | None = None) -> Written:
+        """Score `t` (or take `scored`, from `score_group`) and store the result."""
+        scored = self.score(t, reuse_model=reuse_model) if scored is None else scored
         r = t.rollout
         movable = apply == "all" or (r.claimed_by is None and r.consumed_step is None)
         records = self.records(scored, t.rewards, final=apply != "none",
                                outdated=movable and r.final_reward != scored.final)
         applied = store.add_rewards(records, force_final=apply == "all")
-        if scored.final is None:
+        if scored.pending and not self._hinted:
+            self._hinted = True
+            log.info("rollout %s waits for its group's ranking before it has a final reward under %s: run the "
+                     "trainer with --reward-config (it ranks each ready group) or `lightning-mw rewards rescore`",
+                     t.rollout.id, self.hash)
+        if scored.final is None and not scored.pending:
             log.warning("rollout %s has no final reward under %s: %s", t.rollout.id, self.hash, scored.errors)
         return Written(scored, len(records), t.rollout.id in applied)
+
+
+def _notes(scored: Scored) -> dict[str, Any]:
+    notes = {p.name: p.note for p in scored.components if p.value is None and p.note and not p.pending}
+    return {"notes": notes} if notes else {}

@@ -17,6 +17,10 @@
     weight = 2.0
     url = "http://127.0.0.1:8001/v1"
     model = "judge"
+    [rank_judge]                      # an LLM judge that ranks the rollouts of one group (ranking.py)
+    weight = 2.0
+    url = "http://127.0.0.1:8001/v1"
+    model = "judge"
     [human]
     weight = 3.0
     interval = 10
@@ -44,12 +48,15 @@ else:  # a declared dependency on 3.10
     import tomli as tomllib
 
 REWARD_TYPES = ("rule", "model", "hybrid")
+RANK_JUDGE = "rank_judge"  # the ranking judge's component name
 AGENT = "agent"  # the name a configured rollout's own reported reward is stored under
 ON_ERROR = ("drop", "partial")
 GUARD_ACTIONS = ("penalise", "zero")
-_TOP_KEYS = {"reward_type", "on_error", "rules", "guards", "reward_model", "human", "name"}
+_TOP_KEYS = {"reward_type", "on_error", "rules", "guards", "reward_model", "rank_judge", "human", "name"}
 _MODEL_KEYS = {"weight", "url", "model", "scorer", "path", "prompt", "max_score", "scale", "offset", "timeout_s",
                "retries", "api_key_env", "max_chars"}
+_RANK_KEYS = {"weight", "url", "model", "prompt", "timeout_s", "retries", "api_key_env", "max_chars",
+              "max_tokens", "shuffle"}
 _HUMAN_KEYS = {"weight", "interval"}
 
 
@@ -110,6 +117,39 @@ class RewardModelConfig:
 
 
 @dataclass(frozen=True)
+class RankJudgeConfig:
+    """An OpenAI-compatible LLM judge that ranks the rollouts of one group (one task) against
+    each other; each rollout's value is its group-relative rank mapped to [0, 1] (ranking.py)."""
+
+    url: str
+    model: str
+    weight: float = 1.0
+    prompt: str | None = None  # None: ranking.DEFAULT_RANK_PROMPT; "{n}" and "{letters}" are filled in
+    timeout_s: float = 60.0
+    retries: int = 2  # answers it could not read are asked again this many times, then an error
+    api_key_env: str | None = None  # the judge's key is read from this variable, never stored
+    max_chars: int = 24000  # all candidates' transcripts together are cut to this many characters
+    max_tokens: int = 256
+    shuffle: bool = True  # candidates in an order drawn from their ids, so no rollout is always "A"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.url, str) and self.url and isinstance(self.model, str) and self.model):
+            raise ConfigError("[rank_judge] needs the judge's url and model (text)")
+        for key, least in (("retries", 0), ("max_chars", 200), ("max_tokens", 1)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"rank_judge.{key} must be a whole number >= {least}, got {value!r}")
+        for key in ("prompt", "api_key_env"):
+            if getattr(self, key) is not None and not isinstance(getattr(self, key), str):
+                raise ConfigError(f"rank_judge.{key} must be text, got {getattr(self, key)!r}")
+        if not isinstance(self.shuffle, bool):
+            raise ConfigError(f"rank_judge.shuffle must be true or false, got {self.shuffle!r}")
+
+    def describe(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in sorted(_RANK_KEYS - {"api_key_env", "timeout_s", "retries"})}
+
+
+@dataclass(frozen=True)
 class HumanConfig:
     """Human feedback: `interval` N puts every Nth rollout (chosen by its id) on the labelling
     page's queue; labels of any rollout count."""
@@ -126,6 +166,7 @@ class RewardConfig:
     reward_model: RewardModelConfig | None = None
     human: HumanConfig | None = None
     on_error: str = "drop"
+    rank_judge: RankJudgeConfig | None = None
     name: str | None = None
 
     def __post_init__(self) -> None:
@@ -142,6 +183,8 @@ class RewardConfig:
             "components": [c.describe() for c in self.components],
             "reward_model": self.reward_model.describe() if self.reward_model else None,
             "human": {"weight": self.human.weight} if self.human else None,
+            # absent when not configured, so the hashes of configurations without one do not change
+            **({"rank_judge": self.rank_judge.describe()} if self.rank_judge else {}),
         }
 
     @property
@@ -155,6 +198,8 @@ class RewardConfig:
         out = {c.name: c.weight for c in self.components}
         if self.reward_model is not None:
             out["reward_model"] = self.reward_model.weight
+        if self.rank_judge is not None:
+            out[RANK_JUDGE] = self.rank_judge.weight
         if self.human is not None:
             out["human"] = self.human.weight
         return out
@@ -230,6 +275,23 @@ def _model(data: Any) -> RewardModelConfig | None:
     return cfg
 
 
+def _rank_judge(data: Any) -> RankJudgeConfig | None:
+    if data is None or isinstance(data, RankJudgeConfig):
+        return data
+    if not isinstance(data, Mapping):
+        raise ConfigError("[rank_judge] must be a table")
+    unknown = set(data) - _RANK_KEYS
+    if unknown:
+        raise ConfigError(f"[rank_judge] has unknown keys {sorted(unknown)} (known: {sorted(_RANK_KEYS)})")
+    kw = dict(data)
+    for key in ("weight", "timeout_s"):
+        if key in kw:
+            kw[key] = _number(kw[key], f"rank_judge.{key}")
+    if "url" not in kw or "model" not in kw:
+        raise ConfigError("[rank_judge] needs the judge's url and model (an OpenAI-compatible endpoint)")
+    return RankJudgeConfig(**kw)
+
+
 def _human(data: Any) -> HumanConfig | None:
     if data is None or isinstance(data, HumanConfig):
         return data
@@ -254,7 +316,8 @@ def from_dict(data: Mapping[str, Any]) -> RewardConfig:
     return RewardConfig(
         reward_type=data.get("reward_type", "hybrid"), rules=_components(data.get("rules"), "rule"),
         guards=_components(data.get("guards"), "guard"), reward_model=_model(data.get("reward_model")),
-        human=_human(data.get("human")), on_error=data.get("on_error", "drop"), name=data.get("name"))
+        human=_human(data.get("human")), on_error=data.get("on_error", "drop"), name=data.get("name"),
+        rank_judge=_rank_judge(data.get("rank_judge")))
 
 
 def load_config(path: str | os.PathLike[str]) -> RewardConfig:
@@ -278,18 +341,20 @@ def _check_shape(cfg: RewardConfig) -> None:
         raise ConfigError(f"reward_type must be one of {', '.join(REWARD_TYPES)}, got {cfg.reward_type!r}")
     if cfg.on_error not in ON_ERROR:
         raise ConfigError(f"on_error must be one of {', '.join(ON_ERROR)}, got {cfg.on_error!r}")
-    if cfg.reward_type == "rule" and cfg.reward_model is not None:
-        raise ConfigError("reward_type 'rule' takes no [reward_model]: use 'hybrid' for rules and a reward model")
+    model = cfg.reward_model is not None or cfg.rank_judge is not None
+    if cfg.reward_type == "rule" and model:
+        raise ConfigError("reward_type 'rule' takes no [reward_model] or [rank_judge]: use 'hybrid' for rules "
+                          "and a model")
     if cfg.reward_type == "model" and cfg.rules:
         raise ConfigError("reward_type 'model' takes no [rules]: use 'hybrid' for rules and a reward model")
-    if cfg.reward_type == "model" and cfg.reward_model is None:
-        raise ConfigError("reward_type 'model' needs a [reward_model] section")
-    if cfg.reward_type == "hybrid" and cfg.reward_model is None and not cfg.rules:
-        raise ConfigError("reward_type 'hybrid' (the default) needs [rules] or a [reward_model]; "
+    if cfg.reward_type == "model" and not model:
+        raise ConfigError("reward_type 'model' needs a [reward_model] or [rank_judge] section")
+    if cfg.reward_type == "hybrid" and not model and not cfg.rules:
+        raise ConfigError("reward_type 'hybrid' (the default) needs [rules], a [reward_model] or a [rank_judge]; "
                           "for guards and human feedback alone use reward_type = 'rule'")
     names = [c.name for c in cfg.components] + (["reward_model"] if cfg.reward_model else []) + (
-        ["human"] if cfg.human else [])
-    reserved = {"final", "reward_errors", "reward_model", "human", AGENT}
+        [RANK_JUDGE] if cfg.rank_judge else []) + (["human"] if cfg.human else [])
+    reserved = {"final", "reward_errors", "reward_model", "human", RANK_JUDGE, AGENT}
     for c in cfg.components:
         if c.name in reserved:
             raise ConfigError(f"a {c.kind} may not be named {c.name!r} (reserved)")

@@ -4,19 +4,22 @@ against human labels.
 Re-scoring writes each rollout's components and final reward under the new configuration's
 hash; the rewards stored before (the agent's, an older configuration's) stay as they are. Which
 final reward the trainer sees is `apply`'s choice (combine.Scorer.score_rollout).
+
+With a ranking judge the selected rollouts are scored by group: those of one task (and mode)
+ranked together, so select whole groups (a `--limit` that cuts a group ranks its part).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from lightning_middleware.records import RolloutStatus
+from lightning_middleware.records import Rollout, RolloutStatus
 from lightning_middleware.rewards.combine import REWARD_MODEL, Scorer
 from lightning_middleware.rewards.config import RewardConfig
 from lightning_middleware.rewards.sources import Calibration, calibrate
-from lightning_middleware.rewards.trajectory import HUMAN, load_trajectories
+from lightning_middleware.rewards.trajectory import HUMAN, Trajectory, load_trajectories
 from lightning_middleware.store import TraceStore
 
 log = logging.getLogger(__name__)
@@ -31,6 +34,21 @@ class RescoreReport:
     with_final: int  # of which got a final reward
     applied: int  # of which the final reward became the rollout's final_reward
     rewards_written: int
+    # the ranking judge (zero without one): groups it ranked, groups it could not rank (its
+    # answers never readable, or it failed), groups of one (nothing to rank), unreadable answers
+    groups_ranked: int = 0
+    groups_failed: int = 0
+    groups_of_one: int = 0
+    unparseable_answers: int = 0
+
+    def summary(self) -> str:
+        """One line for a person (the `rewards rescore` command prints it)."""
+        text = (f"re-scored {self.rollouts} rollouts under {self.config_hash}: {self.with_final} with a final "
+                f"reward, {self.applied} applied to final_reward, {self.rewards_written} rewards written")
+        if self.groups_ranked or self.groups_failed or self.groups_of_one:
+            text += (f"; ranking judge: {self.groups_ranked} groups ranked, {self.groups_failed} failed, "
+                     f"{self.groups_of_one} of one (not ranked), {self.unparseable_answers} unparseable answers")
+        return text
 
 
 def rescore(store: TraceStore, config: RewardConfig | Scorer, *, rollout_ids: Sequence[str] | None = None,
@@ -47,18 +65,58 @@ def rescore(store: TraceStore, config: RewardConfig | Scorer, *, rollout_ids: Se
         rollouts = [r for r in found if r is not None]
     else:
         rollouts = store.query_rollouts(status=ENDED, task_id=task_id, mode=mode, since=since, limit=limit)
-    n = finals = applied = written = 0
-    for i in range(0, len(rollouts), batch):
-        for t in load_trajectories(store, rollouts[i:i + batch]):
-            result = scorer.store_scored(store, t, apply=apply, reuse_model=reuse_model)
-            n += 1
-            finals += result.scored.final is not None
-            applied += result.applied
-            written += result.rewards
-            if on_rollout is not None:
-                on_rollout(t.rollout.id, result.scored.final)
-    log.info("re-scored %d rollouts under %s: %d with a final reward, %d applied", n, scorer.hash, finals, applied)
-    return RescoreReport(scorer.hash, n, finals, applied, written)
+    counts = dict.fromkeys(("n", "finals", "applied", "written", "ranked", "failed", "single", "bad"), 0)
+    for group in _chunks(rollouts, batch, by_group=scorer.config.rank_judge is not None):
+        trajectories = load_trajectories(store, group)
+        for members in _groups(trajectories) if scorer.config.rank_judge is not None else [trajectories]:
+            scored, ranking = scorer.score_group(members, reuse_model=reuse_model)
+            if ranking is not None:
+                counts["ranked"] += bool(ranking.values)
+                counts["failed"] += ranking.error is not None
+                counts["single"] += ranking.note is not None
+                counts["bad"] += ranking.unparseable
+            for t, s in zip(members, scored):
+                result = scorer.store_scored(store, t, apply=apply, scored=s)
+                counts["n"] += 1
+                counts["finals"] += s.final is not None
+                counts["applied"] += result.applied
+                counts["written"] += result.rewards
+                if on_rollout is not None:
+                    on_rollout(t.rollout.id, s.final)
+    report = RescoreReport(scorer.hash, counts["n"], counts["finals"], counts["applied"], counts["written"],
+                           counts["ranked"], counts["failed"], counts["single"], counts["bad"])
+    log.info("%s", report.summary())
+    return report
+
+
+def _key(r: Rollout) -> tuple[str, str]:
+    return r.task_id, str(r.mode)
+
+
+def _chunks(rollouts: Sequence[Rollout], batch: int, *, by_group: bool) -> Iterator[list[Rollout]]:
+    """Slices of about `batch` rollouts; with `by_group`, whole groups (one task and mode) each."""
+    if not by_group:
+        for i in range(0, len(rollouts), batch):
+            yield list(rollouts[i:i + batch])
+        return
+    groups: dict[tuple[str, str], list[Rollout]] = {}
+    for r in rollouts:
+        groups.setdefault(_key(r), []).append(r)
+    chunk: list[Rollout] = []
+    for members in groups.values():
+        chunk.extend(members)
+        if len(chunk) >= batch:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _groups(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
+    out: dict[tuple[str, str], list[Trajectory]] = {}
+    for t in trajectories:
+        out.setdefault(_key(t.rollout), []).append(t)
+    return list(out.values())
 
 
 def calibration(store: TraceStore, *, config_hash: str | None = None, batch: int = 500) -> Calibration:

@@ -47,13 +47,22 @@ class RewardModelError(RuntimeError):
 
 def render_for_judge(t: Trajectory, max_chars: int) -> str:
     """The task, the conversation and the final output as one text, cut from the front."""
-    lines = [f"[{m.get('role', m.get('type', '?'))}] {_content(m)}" for m in t.messages]
     task = json.dumps(t.rollout.input, ensure_ascii=False, default=str) if t.rollout.input is not None else "-"
+    return f"Task:\n{task}\n\n{render_transcript(t, max_chars - len(task))}"
+
+
+def render_transcript(t: Trajectory, max_chars: int) -> str:
+    """The conversation and the final output, the conversation cut from the front (its end,
+    where the answer is, matters most) so the whole fits in about `max_chars`."""
+    lines = [f"[{m.get('role', m.get('type', '?'))}] {_content(m)}" for m in t.messages]
     transcript = "\n".join(lines)
-    budget = max(0, max_chars - len(task) - len(t.final_output or "") - 100)
+    final = t.final_output or "-"
+    if len(final) > max_chars // 2:  # a huge final answer must not push the whole transcript out
+        final = final[: max_chars // 2] + "[...]"
+    budget = max(0, max_chars - len(final) - 100)
     if len(transcript) > budget:
         transcript = "[...]" + transcript[len(transcript) - budget:]
-    return f"Task:\n{task}\n\nTranscript:\n{transcript}\n\nFinal answer:\n{t.final_output or '-'}"
+    return f"Transcript:\n{transcript}\n\nFinal answer:\n{final}"
 
 
 def _content(m: dict[str, Any]) -> str:
@@ -78,26 +87,34 @@ def parse_score(text: str, max_score: float) -> float:
 
 def _ask_judge(cfg: RewardModelConfig, text: str) -> str:
     prompt = (cfg.prompt or DEFAULT_JUDGE_PROMPT).replace("{max_score}", f"{cfg.max_score:g}")
+    messages = [{"role": "system", "content": prompt}, {"role": "user", "content": text}]
+    return chat_reply(str(cfg.url), str(cfg.model), messages, timeout_s=cfg.timeout_s, retries=cfg.retries,
+                      api_key_env=cfg.api_key_env, max_tokens=64)
+
+
+def chat_reply(url: str, model: str, messages: list[dict[str, str]], *, timeout_s: float, retries: int,
+               api_key_env: str | None, max_tokens: int) -> str:
+    """The text of an OpenAI-compatible judge's reply (temperature 0), an HTTP failure retried
+    `retries` times with backoff; RewardModelError after that."""
     headers = {}
-    if cfg.api_key_env:
-        key = os.environ.get(cfg.api_key_env)
+    if api_key_env:
+        key = os.environ.get(api_key_env)
         if not key:
-            raise RewardModelError(f"reward_model.api_key_env names {cfg.api_key_env}, which is not set")
+            raise RewardModelError(f"the judge's api_key_env names {api_key_env}, which is not set")
         headers["authorization"] = f"Bearer {key}"
-    body = {"model": cfg.model, "temperature": 0, "max_tokens": 64,
-            "messages": [{"role": "system", "content": prompt}, {"role": "user", "content": text}]}
-    url = str(cfg.url).rstrip("/") + "/chat/completions"
+    body = {"model": model, "temperature": 0, "max_tokens": max_tokens, "messages": messages}
+    endpoint = url.rstrip("/") + "/chat/completions"
     last: Exception | None = None
-    for attempt in range(cfg.retries + 1):
+    for attempt in range(retries + 1):
         try:
-            resp = httpx.post(url, json=body, headers=headers, timeout=cfg.timeout_s)
+            resp = httpx.post(endpoint, json=body, headers=headers, timeout=timeout_s)
             resp.raise_for_status()
             return str(resp.json()["choices"][0]["message"]["content"] or "")
         except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
             last = exc
-            if attempt < cfg.retries:
+            if attempt < retries:
                 time.sleep(0.2 * 2 ** attempt)
-    raise RewardModelError(f"the judge at {cfg.url} failed: {type(last).__name__}: {last}")
+    raise RewardModelError(f"the judge at {url} failed: {type(last).__name__}: {last}")
 
 
 def model_score(t: Trajectory, cfg: RewardModelConfig, scorer: Callable[..., Any] | None = None) -> Score:

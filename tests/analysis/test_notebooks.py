@@ -9,7 +9,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from lightning_middleware import TraceStore
+from lightning_middleware import RewardConfig, TraceStore
+from lightning_middleware.rewards import rescore
 from lightning_middleware.testing import LLMTestServer
 
 from . import analysis_data as D
@@ -44,6 +45,9 @@ def filled_url(llm_server: LLMTestServer, tmp_path_factory: pytest.TempPathFacto
     url = f"sqlite:///{tmp_path_factory.mktemp('nb') / 'traces.db'}"
     store = TraceStore(url)
     made = D.build(store, llm_server.base_url)
+    # two reward versions beside the agents' own (final_reward untouched), for the side-by-side cells
+    rescore(store, RewardConfig.from_dict({"rules": {"agent_reward": 1.0, "succeeded": 0.5}}), apply="none")
+    rescore(store, RewardConfig.from_dict({"rules": {"agent_reward": -1.0, "tool_call_valid": 1.0}}), apply="none")
     store.close()
     return url, made
 
@@ -52,11 +56,13 @@ def test_analysis_notebook(filled_url: tuple[str, dict], tmp_path: Path, monkeyp
     url, made = filled_url
     nb = _execute("analysis.ipynb", url, tmp_path / "figs", monkeypatch)
     figs = sorted(p.name for p in (tmp_path / "figs").iterdir())
-    assert [f.split("-", 1)[1] for f in figs] == ["reward-curve.png", "success-by-task.png", "distributions.png"]
+    assert [f.split("-", 1)[1] for f in figs] == ["reward-curve.png", "success-by-task.png", "distributions.png",
+                                                  "reward-versions.png"]
     text = _outputs_text(nb)
     assert "prefix-break rate:" in text and '<mark class="trained"' in text
+    assert "discordant pairs within groups:" in text and "groups whose best rollout changed:" in text
     images = sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
-    assert images == 3
+    assert images == 4
 
 
 def test_training_run_notebook(filled_url: tuple[str, dict], tmp_path: Path,

@@ -70,7 +70,7 @@ def _toml_as_dict(path: Path) -> dict:
     ({"rules": {"succeeded": 1.0}, "weights": {}}, "unknown keys ['weights']"),
     ({"rules": {"final": 1.0}}, "may not be named 'final'"),
     ({"rules": {"succeeded": 1.0}, "human": {"interval": -1}}, "human.interval"),
-    ({}, "needs [rules] or a [reward_model]"),
+    ({}, "needs [rules], a [reward_model] or a [rank_judge]"),
     ({"reward_type": "rule"}, "has no component"),
 ])
 def test_a_bad_configuration_is_a_clear_error(data: dict, message: str) -> None:

@@ -78,3 +78,65 @@ def test_after_the_deadline_trains_without_or_skips(llm_server, store: TraceStor
     assert result is not None
     # a and b, the first groups ready, are taken without their labels; c (labelled) is left for the next step
     assert result.metrics["rewards_trained_without_human"] == 8 and result.metrics["n_rollouts"] == 8
+
+
+def _judge(body: dict) -> str:
+    """Ranks try 0 and try 2 first; prose (never readable) for task a's group."""
+    from tests.rewards.ranking_judge import candidates
+
+    cands = candidates(body)
+    if any("a try" in text for text in cands.values()):
+        return "They all look reasonable to me."
+    good = [c for c, text in cands.items() if "try 0" in text or "try 2" in text]
+    return "Ranking: " + " = ".join(good) + " > " + " = ".join(c for c in cands if c not in good)
+
+
+def test_the_daemon_ranks_each_ready_group_before_training(llm_server, store: TraceStore, model_dir,
+                                                          tmp_path) -> None:
+    from tests.rewards.ranking_judge import ranking_judge
+
+    run_rollouts(llm_server, store, {"a": [1, 0, 1, 0], "b": [0, 0, 1, 1], "c": [1, 1, 0, 0]})
+    with ranking_judge(_judge) as judge:
+        cfg = RewardConfig.from_dict({"rules": {"agent_reward": 1.0},
+                                      "rank_judge": {"url": judge.url, "model": "j", "weight": 2.0, "retries": 1}})
+        with pytest.raises(ValueError, match="is not the hash of rewards.config"):
+            make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg, version="0" * 16))
+        daemon = make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg))
+        result = daemon.step_once()
+        assert result is not None and len(judge.seen) == 4  # a twice (never readable), b and c once
+        assert daemon.step_once() is None and len(judge.seen) == 4  # nothing left; nobody asked again
+    m = result.metrics
+    assert m["n_rollouts"] == 8  # b and c
+    assert m["skipped_rank_judge_failed"] == 4  # a's rollouts: no final reward without the judge's term
+    assert m["rank_judge_groups"] == 2 and m["rank_judge_failed"] == 1 and m["rank_judge_unparseable"] == 2
+    for r in store.query_rollouts(task_id="b"):
+        ranked = [x for x in store.rewards(r.id) if x.config_hash == cfg.hash and x.name == "rank_judge"][-1]
+        agent = [x.value for x in store.rewards(r.id) if x.config_hash is None][-1]
+        asked = store.calls(r.id)[0].request["messages"][0]["content"]
+        assert ranked.value == pytest.approx(5 / 6 if asked in ("b try 0", "b try 2") else 1 / 6)
+        assert r.final_reward == pytest.approx(agent + 2.0 * ranked.value)  # what the step trained on
+
+
+def test_the_reward_config_comes_from_the_trainer_file(store: TraceStore, tmp_path) -> None:
+    from trainer_backend.daemon.reward_gate import RewardGate
+    from trainer_backend.daemon.settings import TrainerSettings
+
+    rewards = tmp_path / "rewards.toml"
+    rewards.write_text('[rules]\nagent_reward = 1.0\n[rank_judge]\nurl = "http://127.0.0.1:9/v1"\nmodel = "j"\n')
+    trainer = tmp_path / "trainer.toml"
+    trainer.write_text(f'[run]\nstore = "sqlite://"\nmodel = "m"\n[rewards]\nconfig = "{rewards}"\n')
+    policy = TrainerSettings.load(trainer).trainer_config().rewards
+    assert policy.config == str(rewards)
+    assert RewardGate(store, policy).policy.version == RewardConfig.load(rewards).hash  # trained on its version
+    rewards.write_text("[rank_judge]\nurl = 1\n")
+    with pytest.raises(ValueError, match="needs the judge's url and model"):
+        RewardGate(store, policy)
+
+
+def test_a_config_without_a_judge_is_scored_by_the_daemon_too(llm_server, store: TraceStore, model_dir,
+                                                               tmp_path) -> None:
+    run_rollouts(llm_server, store, TASKS)  # the agents scored nothing under the configuration
+    cfg = RewardConfig.from_dict({"rules": {"agent_reward": 3.0}})
+    [result] = make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg)).run(max_steps=1)
+    assert result.metrics["n_rollouts"] == 8 and result.metrics["reward_max"] == 3.0
+    assert not any(k.startswith("rank_judge") for k in result.metrics)

@@ -8,6 +8,9 @@ rows are labelled with its reward against the same agent in the other rollouts o
 So a rollout-level reward applies to every policy that acted in the rollout unless a
 per-agent reward exists, and one policy playing two rewarded roles (a shared policy) keeps
 each role's baseline apart.
+
+With per-turn credit (`credit`, algorithms/credit.py) the same sets of rows are labelled, each
+call by its own return: the per-step rewards of the calls in that set and the set's reward.
 """
 
 from __future__ import annotations
@@ -17,24 +20,27 @@ from collections.abc import Mapping, Sequence
 
 from lightning_middleware.records import Rollout
 from lightning_middleware.rows import Row, with_advantages
+from trainer_backend.algorithms import credit as per_turn
 from trainer_backend.algorithms import registry
 
 
 def label(name: str, rollouts: Sequence[Rollout], rows: Sequence[Row], *, level: str = "rollout",
           parts: Mapping[str, Sequence[Row]] | None = None,
-          agent_rewards: Mapping[str, Mapping[str, float]] | None = None) -> list[Row]:
+          agent_rewards: Mapping[str, Mapping[str, float]] | None = None,
+          credit: per_turn.StepRewards | None = None) -> list[Row]:
     """The rows to train with their advantages (and `reward`) set.
 
     `parts` splits the rows by policy (`RoutesRows.route`); None labels them as one policy.
-    `agent_rewards` is rollout id -> agent name -> reward (the store's per-agent rewards)."""
+    `agent_rewards` is rollout id -> agent name -> reward (the store's per-agent rewards).
+    `credit`: per-turn credit from these per-step rewards; None: rollout-level."""
     if parts is None:
-        return _label_one(name, rollouts, rows, level)
+        return _label_one(name, rollouts, rows, level, credit)
     rewarded = {agent for given in (agent_rewards or {}).values() for agent in given}
     out: list[Row] = []
     for policy_rows in parts.values():
         for agent, agent_rows in _by_rewarded_agent(policy_rows, rewarded).items():
             out.extend(_label_one(name, policy_rollouts(rollouts, agent_rows, agent, agent_rewards or {}),
-                                  agent_rows, level))
+                                  agent_rows, level, credit))
     return out
 
 
@@ -60,6 +66,9 @@ def _by_rewarded_agent(rows: Sequence[Row], rewarded: set[str]) -> dict[str | No
     return out
 
 
-def _label_one(name: str, rollouts: Sequence[Rollout], rows: Sequence[Row], level: str) -> list[Row]:
+def _label_one(name: str, rollouts: Sequence[Rollout], rows: Sequence[Row], level: str,
+               credit: per_turn.StepRewards | None) -> list[Row]:
+    if credit is not None:
+        return per_turn.label(name, rollouts, rows, credit)
     kept, adv = registry.label_rows(name, rollouts, rows, level=level)
     return with_advantages(kept, adv, rewards={r.id: float(r.final_reward or 0.0) for r in rollouts})

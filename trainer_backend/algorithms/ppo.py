@@ -4,7 +4,8 @@ A rollout's response tokens, in the order of its rows (the calls' order; tool re
 prompts in between are not actions and take no part, as verl's GAE skips masked tokens),
 form one trajectory. Its token rewards are 0 but at the last response token, which gets
 the rollout's reward; with `kl_coef` every token's reward is also reduced by
-kl_coef * KL(old || ref) at that token (verl's `use_kl_in_reward`). Then, per rollout:
+kl_coef * KL(old || ref) at that token (verl's `use_kl_in_reward`); with per-turn credit each
+call's per-step reward is added at the last token of its completion. Then, per rollout:
 
     delta_t = r_t + gamma V_{t+1} - V_t          (V after the last token: 0)
     A_t     = delta_t + gamma lam A_{t+1}        returns_t = A_t + V_t
@@ -69,11 +70,13 @@ def rollout_advantages_and_returns(
     kl_coef: float = 0.0,
     gamma: float = 1.0,
     lam: float = 1.0,
+    step_rewards: Sequence[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per row, the advantages (whitened over the step) and returns at its response tokens.
 
-    `values[i]` (and `kl[i]`) hold row i's critic values (KL estimates) at its response tokens,
-    in order; rows of one rollout are concatenated in the order given.
+    `values[i]` (and `kl[i]`, `step_rewards[i]`) hold row i's critic values (KL estimates,
+    per-step token rewards of per-turn credit) at its response tokens, in order; rows of one
+    rollout are concatenated in the order given.
     """
     members: dict[str, list[int]] = {}
     for i, rid in enumerate(rollout_of):
@@ -87,6 +90,8 @@ def rollout_advantages_and_returns(
             r[-1] = reward_of[rid]
         if kl is not None and kl_coef:
             r = r - kl_coef * torch.cat([kl[i].float() for i in idx])
+        if step_rewards is not None:
+            r = r + torch.cat([step_rewards[i].float() for i in idx])
         a, g = gae(r, v, gamma, lam)
         sizes = [values[i].numel() for i in idx]
         for i, a_i, g_i in zip(idx, a.split(sizes), g.split(sizes)):

@@ -48,6 +48,9 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--group-timeout": ("group.timeout_s", float, "a group older than this trains with what it has"),
     "--algo": ("algorithm.name", str, "grpo | dr_grpo | rloo | reinforce_pp | gspo | ppo | dpo"),
     "--advantage-level": ("algorithm.advantage_level", str, "rollout (default) | sample (each row its own sample)"),
+    "--credit": ("algorithm.credit", str, "rollout (default: the rollout's reward on every token) | per-turn "
+                                           "(each call's return: its and later per-step rewards + the final)"),
+    "--credit-gamma": ("algorithm.credit_gamma", float, "per-turn: the discount per call (default 1)"),
     "--loss-agg": ("algorithm.loss_agg", str,
                    "rollout-token-mean (default) | token-mean | seq-mean-token-mean | seq-mean-token-sum"),
     "--lr": ("optim.lr", float, "peak learning rate"),
@@ -76,6 +79,8 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--default-policy": ("lora.default_policy", str, "the policy that trains calls of any other model"),
     "--reward-version": ("rewards.version", str, "train on the final reward of this reward configuration's hash "
                                                  "(lightning-mw rewards check/rescore print it)"),
+    "--reward-config": ("rewards.config", str, "a reward configuration whose ranking judge ranks each ready group "
+                                               "before it trains (and whose version is trained on)"),
     "--precision": ("engine.precision", str, "auto (bf16 where native and faster, else fp32) | fp32 | bf16 | "
                                              "bf16-autocast"),
     "--micro-batch-tokens": ("engine.micro_batch_tokens", int, "padded tokens per micro-batch"),

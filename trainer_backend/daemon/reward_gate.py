@@ -10,6 +10,14 @@ version to train on, which components to wait for, and the per-step hacking rate
   passes; then `on_deadline` trains without it ("train_without", counted per step as
   `rewards_trained_without_<name>`) or skips the rollout ("skip", counted as
   `skipped_late_<name>`). `rewards_waiting` is how many rollouts were waiting at the step.
+- `config`: a reward configuration (a `RewardConfig` or its file): a ready group with a member
+  that has no final reward (nor ranking) under it is scored by the daemon just before it
+  trains, a ranking judge (`[rank_judge]`) ranking the group once (rollouts scored as they end
+  have no group yet: their final reward waits for this). The daemon trains on that
+  configuration's version. Per step: `rank_judge_groups` (ranked), `rank_judge_failed` (no
+  ranking: the judge failed or its answers were never readable; with on_error "drop" those
+  rollouts are skipped, counted as `rank_judge_failed`), `rank_judge_groups_of_one`,
+  `rank_judge_unparseable` (answers that could not be read, retried or not).
 - Guards: every stored guard verdict (a component whose source is "guard") of the batch gives
   `guard_<name>_rate` (rollouts where it fired) and `hacking_rate` (any guard fired).
 """
@@ -20,8 +28,12 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
-from lightning_middleware import Reward, Rollout, TraceStore
+from lightning_middleware import Reward, RewardConfig, Rollout, TraceStore
+from lightning_middleware.rewards import Scorer
+from lightning_middleware.rewards.config import RANK_JUDGE
+from lightning_middleware.rewards.trajectory import load_trajectories
 
 ON_DEADLINE = ("train_without", "skip")
 FINAL = "final"  # the combined reward's name (lightning_middleware.rewards.combine)
@@ -32,6 +44,7 @@ class RewardPolicy:
     version: str | None = None
     wait_for: Mapping[str, float] = field(default_factory=dict)
     on_deadline: str = "train_without"
+    config: RewardConfig | str | Path | None = None  # scores ready groups (its ranking judge) before training
 
     def __post_init__(self) -> None:
         if self.on_deadline not in ON_DEADLINE:
@@ -42,7 +55,7 @@ class RewardPolicy:
 
     @property
     def reads_rewards(self) -> bool:
-        return self.version is not None or bool(self.wait_for)
+        return self.version is not None or bool(self.wait_for) or self.config is not None
 
 
 class RewardGate:
@@ -50,7 +63,14 @@ class RewardGate:
 
     def __init__(self, store: TraceStore, policy: RewardPolicy) -> None:
         self.store = store
+        self.scorer = _group_scorer(policy)
+        if self.scorer is not None:  # train on the version the daemon scores
+            if policy.version not in (None, self.scorer.hash):
+                raise ValueError(f"rewards.version {policy.version} is not the hash of rewards.config "
+                                 f"({self.scorer.hash}): give one of them")
+            policy = replace(policy, version=self.scorer.hash)
         self.policy = policy
+        self._ranking: Counter[str] = Counter()  # the ranking judge's counts since the last step
         self.reasons: dict[str, str] = {}  # rollout id -> why it has no reward to train on
         self._without: dict[str, list[str]] = {}  # rollout id -> components it trains without
         self._waiting: set[str] = set()
@@ -65,17 +85,25 @@ class RewardGate:
         if not self.policy.reads_rewards:
             return list(members)
         now = time.time() if now is None else now
-        stored = self.store.rewards_for([r.id for r in members])
-        out, waiting = [], False
+        stored: Mapping[str, Sequence[Reward]] = self.store.rewards_for([r.id for r in members])
+        late_by_id: dict[str, list[str]] = {}
         for r in members:
             rewards = [x for x in stored.get(r.id, []) if self._counts(x)]
             missing = [n for n in self.policy.wait_for if not any(x.name == n for x in rewards)]
             late = [n for n in missing if now - (r.ended_at or r.created_at) > self.policy.wait_for[n]]
             if len(late) < len(missing):
-                waiting = True
                 self._waiting.add(r.id)
-                continue
-            self._waiting.discard(r.id)
+            else:
+                self._waiting.discard(r.id)
+                late_by_id[r.id] = late
+        if len(late_by_id) < len(members):
+            return None
+        if self._unscored(members, stored):
+            members, stored = self._rank(members)
+        out = []
+        for r in members:
+            rewards = [x for x in stored.get(r.id, []) if self._counts(x)]
+            late = late_by_id[r.id]
             r = self._versioned(r, rewards)
             if late and self.policy.on_deadline == "skip":
                 self.reasons[r.id] = f"late_{late[0]}"
@@ -83,14 +111,37 @@ class RewardGate:
             else:
                 self._without[r.id] = late
             out.append(r)
-        return None if waiting else out
+        return out
+
+    def _unscored(self, members: Sequence[Rollout], stored: Mapping[str, Sequence[Reward]]) -> bool:
+        """A member has neither a final reward of the configuration nor its ranking judge's value."""
+        if self.scorer is None:
+            return False
+        h = self.scorer.hash
+        return any(not any(x.config_hash == h and x.name in (RANK_JUDGE, FINAL) for x in stored.get(r.id, []))
+                   for r in members)
+
+    def _rank(self, members: Sequence[Rollout]) -> tuple[list[Rollout], Mapping[str, Sequence[Reward]]]:
+        """Score the group under the configuration (a ranking judge ranks it once); the members as stored now."""
+        assert self.scorer is not None
+        trajectories = load_trajectories(self.store, members)
+        scored, ranking = self.scorer.score_group(trajectories)
+        for t, one in zip(trajectories, scored):
+            self.scorer.store_scored(self.store, t, apply="unconsumed", scored=one)
+        if ranking is not None:
+            self._ranking.update(groups=bool(ranking.values), failed=ranking.error is not None,
+                                 groups_of_one=ranking.note is not None, unparseable=ranking.unparseable)
+            if ranking.error is not None:
+                self.reasons.update({r.id: "rank_judge_failed" for r in members})
+        fresh = [self.store.get_rollout(r.id) or r for r in members]
+        return fresh, self.store.rewards_for([r.id for r in members])
 
     def _versioned(self, r: Rollout, rewards: Sequence[Reward]) -> Rollout:
         if self.policy.version is None:
             return r
         finals = [x for x in rewards if x.name == FINAL and x.config_hash == self.policy.version]
         if not finals:
-            self.reasons[r.id] = "no_reward_version"
+            self.reasons.setdefault(r.id, "no_reward_version")  # unless the ranking judge failed on it
             return replace(r, final_reward=None)
         return replace(r, final_reward=finals[-1].value)
 
@@ -117,6 +168,17 @@ class RewardGate:
         out.update({f"rewards_trained_without_{n}": float(k) for n, k in without.items()})
         if self.policy.wait_for:
             out["rewards_waiting"] = float(len(self._waiting))
+        if self.scorer is not None and self.scorer.config.rank_judge is not None:
+            out.update({f"rank_judge_{k}": float(self._ranking[k])
+                        for k in ("groups", "failed", "groups_of_one", "unparseable")})
+            self._ranking.clear()
         for r in rollouts:
             self.reasons.pop(r.id, None)
         return out
+
+
+def _group_scorer(policy: RewardPolicy) -> Scorer | None:
+    if policy.config is None:
+        return None
+    config = policy.config if isinstance(policy.config, RewardConfig) else RewardConfig.load(policy.config)
+    return Scorer(config)

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lightning_middleware.errors import UsageError
+from trainer_backend.algorithms import credit
 from trainer_backend.algorithms.registry import OUTCOME, trains_uniform_groups
 
 if sys.version_info >= (3, 11):
@@ -65,6 +66,10 @@ class AlgorithmSettings(_Section):
     advantage_level: Literal["rollout", "sample"] = "rollout"
     loss_agg: Literal["rollout-token-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = (
         "rollout-token-mean")
+    # "rollout": the rollout's reward decides every token (the default); "per-turn": each call's
+    # return (its own and later calls' per-step rewards + the final reward), algorithms/credit.py
+    credit: Literal["rollout", "per-turn"] = "rollout"
+    credit_gamma: float = Field(1.0, gt=0, le=1)  # per-turn: the discount per call
 
 
 class OptimSettings(_Section):
@@ -159,6 +164,8 @@ class MonitorSettings(_Section):
 class RewardSettings(_Section):
     # a reward configuration's hash: train on the final reward stored under it (a rescore's version)
     version: str | None = None
+    # a reward configuration file whose ranking judge the daemon runs on each ready group
+    config: str | None = None
     wait_for: dict[str, float] = Field(default_factory=dict)  # component -> seconds after the rollout ended
     on_deadline: Literal["train_without", "skip"] = "train_without"
 
@@ -194,6 +201,12 @@ class TrainerSettings(_Section):
         if self.run.engine == "verl" and (self.algorithm.name in ("ppo", "dpo") or self.loss.kl_in == "reward"):
             raise ValueError(f"the verl engine runs the policy-gradient algorithms with the KL in the loss; "
                              f"algorithm {self.algorithm.name!r} / loss.kl_in {self.loss.kl_in!r} need engine 'torch'")
+        a = self.algorithm
+        try:
+            credit.check(a.credit, a.name, level=a.advantage_level, gamma=a.credit_gamma,
+                         kl_in_reward=self.loss.kl_in == "reward" and self.loss.kl_coef > 0)
+        except ValueError as exc:
+            raise ValueError(f"algorithm.credit: {exc}") from None
         if self.lora.policies and not self.lora.rank:
             raise ValueError("lora.policies: separate policies are LoRA adapters; set lora.rank")
         if self.lora.default_policy and self.lora.default_policy not in self.lora.policies:
@@ -294,12 +307,13 @@ class TrainerSettings(_Section):
             checkpoint_dir=r.checkpoints, trainer_id=r.trainer_id, mode=r.mode, max_staleness=r.max_staleness,
             stale=r.stale, max_len=r.max_len, keep_checkpoints=r.keep_checkpoints,
             success_threshold=r.success_threshold, algorithm=a.name, advantage_level=a.advantage_level,
+            credit=a.credit, credit_gamma=a.credit_gamma,
             group=GroupPolicy(group_size=g.size, groups_per_step=g.per_step, min_group_size=g.min_size,
                               group_timeout_s=g.timeout_s, skip_uniform=not trains_uniform_groups(a.name)),
             health=HealthConfig(enabled=m.health_checks, entropy_floor=m.entropy_floor, kl_limit=m.kl_limit,
                                 grad_spike=m.grad_spike),
             eval=policy, rewards=RewardPolicy(version=self.rewards.version, wait_for=dict(self.rewards.wait_for),
-                                              on_deadline=self.rewards.on_deadline))
+                                              on_deadline=self.rewards.on_deadline, config=self.rewards.config))
 
 
 def _toml_value(value: Any) -> str:

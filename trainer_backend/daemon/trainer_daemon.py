@@ -10,7 +10,7 @@ One loop, one step at a time:
     claim     the chosen rollouts (a conditional UPDATE: two daemons on one
               database never get the same rollout).
     train     rows from their training calls (rows.py), rollout-level advantages
-              (grpo.py), one engine step.
+              (grpo.py; per-turn with `credit`: turn_credit.py), one engine step.
     publish   save an HF checkpoint, hot-swap it into the serving engine.
     commit    the step's metrics, the new policy version and "these rollouts are
               consumed" in ONE transaction.
@@ -36,7 +36,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,66 +43,17 @@ from lightning_middleware import PolicyVersion, Rollout, TraceStore, TrainStep
 from lightning_middleware.records import Event
 from lightning_middleware.rows import RowStats, build_rows_for_rollouts
 from lightning_middleware.store import LeaseLost, StoreError, get_store
-from trainer_backend.algorithms import labelling, registry
-from trainer_backend.daemon.monitoring import HealthChecks, HealthConfig
-from trainer_backend.daemon.reward_gate import RewardGate, RewardPolicy
-from trainer_backend.daemon.validation import EvalPolicy, PeriodicEvaluation, protected_checkpoints
+from trainer_backend.algorithms import labelling
+from trainer_backend.daemon.config import Batch, GroupPolicy, StepResult, TrainerConfig
+from trainer_backend.daemon.monitoring import HealthChecks
+from trainer_backend.daemon.reward_gate import RewardGate
+from trainer_backend.daemon.turn_credit import TurnCredit
+from trainer_backend.daemon.validation import PeriodicEvaluation, protected_checkpoints
 from trainer_backend.engines.base import Engine, Publisher, RoutesRows
 
+__all__ = ["Batch", "GroupPolicy", "StepResult", "TrainerConfig", "TrainerDaemon"]
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GroupPolicy:
-    group_size: int = 8  # rollouts per task that make a full GRPO group
-    groups_per_step: int = 16  # a step waits for this many ready groups
-    min_group_size: int = 2  # a timed-out group trains only if it has at least this many
-    group_timeout_s: float = 300.0  # a group older than this is taken with what it has
-    skip_uniform: bool = True  # all rewards equal: zero advantage, no signal -> skip
-    statuses: tuple[str, ...] = ("succeeded",)  # finished statuses that train
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    checkpoint_dir: str
-    trainer_id: str = "trainer-0"  # stable across restarts: used to release claims after a crash
-    mode: str = "async"  # async | sync
-    max_staleness: int = 1  # async: policy versions a rollout may lag
-    stale: str = "drop"  # drop | keep
-    max_len: int | None = None
-    norm_by_std: bool = True  # GRPO std-normalised advantage (False: mean-only, the same as dr_grpo)
-    algorithm: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gspo | ppo | dpo (algorithms/registry.py)
-    advantage_level: str = "rollout"  # rollout | sample (each row its own sample: the ablation)
-    poll_interval_s: float = 0.5
-    keep_checkpoints: int = 3
-    success_threshold: float = 1.0  # a rollout succeeded at reward >= this (evaluation's rule too)
-    lease_s: float = 60.0  # another daemon may take over this trainer id after this long without a heartbeat
-    group: GroupPolicy = field(default_factory=GroupPolicy)
-    health: HealthConfig = field(default_factory=HealthConfig)
-    eval: EvalPolicy | None = None  # held-out evaluation every N steps, best checkpoint, early stopping
-    rewards: RewardPolicy = field(default_factory=RewardPolicy)  # reward version, late components (reward_gate)
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("async", "sync"):
-            raise ValueError(f"mode must be 'async' or 'sync', got {self.mode!r}")
-        if self.stale not in ("drop", "keep"):
-            raise ValueError(f"stale must be 'drop' or 'keep', got {self.stale!r}")
-        registry.check(self.algorithm)
-        if self.advantage_level not in ("rollout", "sample"):
-            raise ValueError(f"advantage_level must be 'rollout' or 'sample', got {self.advantage_level!r}")
-
-
-@dataclass(frozen=True)
-class Batch:
-    rollouts: tuple[Rollout, ...]
-    skipped: dict[str, int]  # reason -> rollouts taken out of the pool without training
-
-
-@dataclass(frozen=True)
-class StepResult:
-    step: int
-    policy_version: int
-    metrics: dict[str, Any]
 
 
 class TrainerDaemon:
@@ -121,6 +71,7 @@ class TrainerDaemon:
         self._closed = threading.Event()
         self.health = HealthChecks(config.health)
         self.rewards = RewardGate(self.store, config.rewards)
+        self.credit = TurnCredit(self.store, config.credit, config.credit_gamma)
         self.evaluation = (PeriodicEvaluation(config.eval, self.store, config.checkpoint_dir)
                            if config.eval is not None else None)
         # One live run per trainer id (refused otherwise): a second daemon of the same id would
@@ -215,15 +166,16 @@ class TrainerDaemon:
         trainable: list[tuple[list[Rollout], list[Rollout]]] = []  # (group members, usable members)
         groups = self._ready_groups()
         # separate policies: the roles' own rewards are signal too (one query for every ready group)
-        per_agent = (self.store.agent_rewards([r.id for m in groups for r in m])
-                     if g.skip_uniform and isinstance(self.engine, RoutesRows) else {})
+        ids = [r.id for m in groups for r in m]
+        per_agent = self.store.agent_rewards(ids) if g.skip_uniform and isinstance(self.engine, RoutesRows) else {}
+        per_step = self.credit.step_rewards(ids) if g.skip_uniform else {}  # per-turn: steps are signal too
         for ready in groups:
             reviewed = self.rewards.review(ready)
             if reviewed is None:  # a configured component is still to come: the group waits
                 continue
             members = reviewed
             usable, reasons = self._filter(members)
-            if g.skip_uniform and len({_reward_profile(r, per_agent) for r in usable}) == 1:
+            if g.skip_uniform and len({_reward_profile(r, per_agent, per_step) for r in usable}) == 1:
                 reasons["uniform_reward"] += len(usable)
                 usable = []
             if len(usable) < g.min_group_size:
@@ -318,8 +270,10 @@ class TrainerDaemon:
         if algorithm == "grpo" and not self.config.norm_by_std:
             algorithm = "dr_grpo"
         parts = self.engine.route(rows) if isinstance(self.engine, RoutesRows) else None
+        steps = self.credit.for_batch(rollouts, calls)
         rows = labelling.label(algorithm, rollouts, rows, level=self.config.advantage_level, parts=parts,
-                               agent_rewards=self.store.agent_rewards([r.id for r in rollouts]) if parts else None)
+                               agent_rewards=self.store.agent_rewards([r.id for r in rollouts]) if parts else None,
+                               credit=steps)
         # for the metrics: one advantage per rollout and policy (rollout level)
         adv = {(row.rollout_id, row.policy): row.advantage for row in rows}
         t_build = time.perf_counter() - t0
@@ -334,7 +288,7 @@ class TrainerDaemon:
         publish = self._publish(ckpt, version)
         self._step += 1
         metrics = self._metrics(rollouts, rows, row_stats, adv, engine_metrics, batch.skipped, t_build,
-                                time.perf_counter() - t0, publish)
+                                time.perf_counter() - t0, publish) | self.credit.metrics(rows, steps)
         findings = self.health.check(metrics)
         for f in findings:
             metrics[f"health_{f.kind}"] = 1.0
@@ -424,10 +378,12 @@ class TrainerDaemon:
         }
 
 
-def _reward_profile(r: Rollout, per_agent: dict[str, dict[str, float]]) -> tuple[Any, ...]:
+def _reward_profile(r: Rollout, per_agent: dict[str, dict[str, float]], per_step: dict[str, dict[int, float]]
+                    ) -> tuple[Any, ...]:
     """What a group's members must differ in to carry signal: the rollout's reward and, with
-    separate policies per agent, its roles' own rewards (the team's may be equal while theirs differ)."""
-    return (r.final_reward, *sorted(per_agent.get(r.id, {}).items()))
+    separate policies per agent, its roles' own rewards (the team's may be equal while theirs differ),
+    with per-turn credit its per-step rewards."""
+    return (r.final_reward, *sorted(per_agent.get(r.id, {}).items()), *sorted(per_step.get(r.id, {}).items()))
 
 
 def _quartiles(values: Sequence[float]) -> list[float]:

@@ -62,12 +62,26 @@ def make_micro_batch(rows: Sequence[Row], index: Sequence[int], weights: Sequenc
         if row.behaviour_logprobs is not None:
             blp[b, :n] = torch.tensor(row.behaviour_logprobs)
             has[b] = True
-    adv = torch.tensor([rows[i].advantage for i in index], dtype=torch.float32).unsqueeze(-1).expand(B, T - 1)
+    adv = _advantages(rows, index, T)
     return MicroBatch(index=tuple(index), input_ids=ids, attention_mask=attn, targets=ids[:, 1:],
                       weights=w[:, 1:], advantages=adv, behaviour_logp=blp[:, 1:], has_behaviour=has,
                       temperature=_per_token(rows, index, T, "temperature", 1.0, torch.float32),
                       top_p=_per_token(rows, index, T, "top_p", 1.0, torch.float32),
                       top_k=_per_token(rows, index, T, "top_k", 0, torch.long))
+
+
+def _advantages(rows: Sequence[Row], index: Sequence[int], T: int) -> torch.Tensor:
+    """(B, T-1) advantages at the predicted positions: each row's own, or its per-turn
+    `token_advantages` (padding keeps the row's `advantage`: its weight is 0 there)."""
+    adv = torch.tensor([rows[i].advantage for i in index], dtype=torch.float32).unsqueeze(-1).expand(len(index), T - 1)
+    if all(rows[i].token_advantages is None for i in index):
+        return adv
+    adv = adv.clone()
+    for b, i in enumerate(index):
+        per_token = rows[i].token_advantages
+        if per_token is not None:
+            adv[b, :len(per_token) - 1] = torch.tensor(per_token[1:], dtype=torch.float32)
+    return adv
 
 
 def _per_token(rows: Sequence[Row], index: Sequence[int], T: int, name: str, default: float,

@@ -1,7 +1,8 @@
 """Advantages that need the model, computed by the engine before its update (one no-grad pass):
 
 - PPO: the critic's values at every response token, GAE per rollout (algorithms/ppo.py),
-  whitened over the step; the returns are kept for the critic's update.
+  whitened over the step; the returns are kept for the critic's update. With per-turn credit
+  the rows' per-step token rewards join the rollout's reward inside GAE.
 - A KL penalty in the reward (`LossConfig.kl_in_reward_coef`, verl's `use_kl_in_reward`):
   each response token's reward loses coef * KL(old || ref). With PPO that is a token reward;
   for the outcome algorithms the rollout's score becomes R - coef * sum_t KL_t (as verl sums
@@ -61,6 +62,14 @@ def _scatter(rows: Sequence[Row], batches: Sequence[MicroBatch], per_row: Sequen
     return out
 
 
+def _step_rewards(rows: Sequence[Row]) -> list[torch.Tensor] | None:
+    """Per row, its per-step token rewards (per-turn credit) at its response tokens; None without any."""
+    if all(r.token_rewards is None for r in rows):
+        return None
+    return [torch.tensor((r.token_rewards or (0.0,) * len(r))[1:], dtype=torch.float32)[_response_positions(r)]
+            for r in rows]
+
+
 def needs_model(loss: LossConfig, critic: CriticConfig | None) -> bool:
     return critic is not None or loss.kl_in_reward_coef > 0
 
@@ -87,12 +96,14 @@ def compute(rows: Sequence[Row], batches: Sequence[MicroBatch], old: Sequence[to
         old_values = [values(mb) for mb in batches]
         adv_rows, ret_rows = rollout_advantages_and_returns(
             [r.rollout_id for r in rows], reward_of, _per_row(rows, batches, old_values), kl_rows,
-            kl_coef=loss.kl_in_reward_coef, gamma=critic.gamma, lam=critic.lam)
+            kl_coef=loss.kl_in_reward_coef, gamma=critic.gamma, lam=critic.lam, step_rewards=_step_rewards(rows))
         adv = _scatter(rows, batches, adv_rows)
         returns = _scatter(rows, batches, ret_rows)
         return ModelAdvantages([replace(mb, advantages=a) for mb, a in zip(batches, adv)],
                                [v.detach().cpu() for v in old_values], returns, metrics)
     assert kl_rows is not None
+    if any(r.token_advantages is not None for r in rows):
+        raise ValueError("per-turn credit with the KL in the reward runs with ppo only: put the KL in the loss")
     return ModelAdvantages(_outcome(rows, batches, reward_of, kl_rows, loss), None, None, metrics)
 
 

@@ -148,7 +148,9 @@ def rows_to_tensors(rows: Sequence[Row], *, agg: str = "rollout-token-mean", pad
         m = torch.tensor(row.loss_mask[c:], dtype=torch.long)
         resp_mask[b, :k] = m
         weights[b, :k] = w_full[b][c:]
-        adv[b, :k] = row.advantage * m.float()
+        per_token = (torch.tensor(row.token_advantages[c:], dtype=torch.float32) if row.token_advantages is not None
+                     else row.advantage)
+        adv[b, :k] = per_token * m.float()
         if row.behaviour_logprobs is not None:
             old[b, :k] = torch.tensor(row.behaviour_logprobs[c:], dtype=torch.float32) * m.float()
             has_old[b] = True
@@ -211,11 +213,14 @@ def dataproto_to_rows(data) -> list[Row]:
         if data.non_tensor_batch["has_old_log_probs"][i]:
             lps = tuple([0.0] * c + b["old_log_probs"][i, :k].tolist())
         trained = b["response_mask"][i, :k].bool()
-        adv = float(b["advantages"][i, :k][trained][0]) if bool(trained.any()) else 0.0
+        on_trained = b["advantages"][i, :k][trained]
+        adv = float(on_trained[0]) if bool(trained.any()) else 0.0
+        per_turn = bool((on_trained != adv).any())  # per-turn credit: advantages differ by call
+        token_adv = tuple([0.0] * c + b["advantages"][i, :k].tolist()) if per_turn else None
         rid = data.non_tensor_batch["rollout_id"][i]
         uid = data.non_tensor_batch["uid"][i]
         out.append(Row(rollout_id=rid, task_id=uid, agent=None, input_ids=tuple(ids), loss_mask=tuple(mask),
-                       behaviour_logprobs=lps, advantage=adv))
+                       behaviour_logprobs=lps, advantage=adv, token_advantages=token_adv))
     return out
 
 
