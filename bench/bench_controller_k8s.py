@@ -1,6 +1,6 @@
 """What the Kubernetes backend costs the controller per rollout Job, against the emulated API server.
 
-    /work/main/.venv/bin/python bench/bench_controller_k8s.py [--rollouts 256] [--concurrency 64]
+    /work/main/.venv/bin/python bench/bench_controller_k8s.py [--rollouts 256] [--concurrency 64] [--per-job 1,8]
 
 The emulator and its kubelet run in their own process (`python -m lightning_middleware.testing.kubelet`),
 so this process's CPU time is the controller's alone: the Job's JSON, the create call, the two
@@ -10,7 +10,10 @@ watches' events (the kubernetes client deserializes each into its models), the v
   outcome in its termination message: wall and controller CPU per rollout, next to the asyncio
   backend's no-op row measured in the same run.
 - end to end (real pods): each Job's container is a local worker process running the 2-call tool
-  agent (a Python start-up per rollout, as a pod's would be): wall per rollout, few rollouts.
+  agent (a Python start-up per pod, as a container start would be): wall per rollout, few rollouts.
+
+Each k8s cell runs once per `--per-job` value (`KubernetesBackend(rollouts_per_job=N)`), side by side,
+with the Jobs it created.
 """
 
 from __future__ import annotations
@@ -39,21 +42,23 @@ def emulator(instant: bool) -> tuple[subprocess.Popen[str], str]:
 
 
 def cell(agent: object, backend: object, tasks: list[dict], concurrency: int, store: TraceStore,
-         warm: int = 8) -> tuple[float, float, int]:
+         warm: int = 8) -> tuple[float, float, int, int | None]:
     with RolloutController(agent, store=store, backend=backend, concurrency=concurrency) as c:  # type: ignore[arg-type]
         c.run(tasks[:warm])  # warm up: watches, connections
+        jobs0 = backend.jobs_created if isinstance(backend, KubernetesBackend) else None
         cpu0, t0 = time.process_time(), time.perf_counter()
         results = c.run(tasks)
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     bad = [r for r in results if r.status != "succeeded"]
     for r in bad[:3]:
         print(f"  not succeeded: {r.status} after {r.attempts} attempts: {r.error}", flush=True)
-    return wall, cpu, len(results) - len(bad)
+    jobs = backend.jobs_created - jobs0 if isinstance(backend, KubernetesBackend) and jobs0 is not None else None
+    return wall, cpu, len(results) - len(bad), jobs
 
 
-def row(label: str, n: int, wall: float, cpu: float, ok: int) -> None:
-    print(f"| {label} | {n} | {ok} | {wall / n * 1000:.2f} ms | {cpu / n * 1000:.2f} ms | {n / wall:.0f}/s |",
-          flush=True)
+def row(label: str, n: int, wall: float, cpu: float, ok: int, jobs: int | None) -> None:
+    print(f"| {label} | {n} | {ok} | {'-' if jobs is None else jobs} | {wall / n * 1000:.2f} ms | "
+          f"{cpu / n * 1000:.2f} ms | {n / wall:.1f}/s |", flush=True)
 
 
 def main() -> None:
@@ -61,37 +66,49 @@ def main() -> None:
     ap.add_argument("--rollouts", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--real", type=int, default=16, help="rollouts with real worker processes")
+    ap.add_argument("--real-concurrency", type=int, default=8, help="rollouts in flight in the real-pod cells")
+    ap.add_argument("--per-job", default="1,8", help="rollouts_per_job values, comma-separated")
+    ap.add_argument("--pod-concurrency", type=int, default=1,
+                    help="also a real-pod cell with the largest --per-job and this many at once in a pod")
     args = ap.parse_args()
+    per_job = [int(v) for v in args.per_job.split(",")]
     tmp = tempfile.mkdtemp(prefix="bench-k8s-")
     template = PodTemplate(image="bench:1", namespace="bench",
                            command=(sys.executable, "-m", "lightning_middleware.controller.worker"),
                            env={"PYTHONPATH": ROOT}, startup_grace_s=120)
-    print("| cell | rollouts | ok | wall per rollout | controller CPU per rollout | rollouts/s |")
-    print("|---|---|---|---|---|---|")
+    print("| cell | rollouts | ok | Jobs created | wall per rollout | controller CPU per rollout | rollouts/s |")
+    print("|---|---|---|---|---|---|---|")
     store = TraceStore(f"sqlite:///{tmp}/asyncio.db")
     tasks = [{"task_id": f"t{i}"} for i in range(args.rollouts)]
-    row("asyncio, no-op agent", args.rollouts, *cell(A.noop_agent, "asyncio", tasks, args.concurrency, store))
+    row("asyncio, no-op agent (same run, for scale)", args.rollouts,
+        *cell(A.noop_agent, "asyncio", tasks, args.concurrency, store))
     store.close()
     proc, url = emulator(instant=True)
     try:
-        store = TraceStore(f"sqlite:///{tmp}/k8s.db")
-        backend = KubernetesBackend(template, api_url=url)
-        row("k8s, instant pods (controller only)", args.rollouts,
-            *cell("tests.controller.controller_agents:noop_agent", backend, tasks, args.concurrency, store))
-        store.close()
+        for n in per_job:
+            store = TraceStore(f"sqlite:///{tmp}/k8s-{n}.db")
+            backend = KubernetesBackend(template, api_url=url, rollouts_per_job=n)
+            row(f"k8s, instant pods (controller only), {n} per Job", args.rollouts,
+                *cell("tests.controller.controller_agents:noop_agent", backend, tasks, args.concurrency, store))
+            store.close()
     finally:
         proc.kill()
     proc, url = emulator(instant=False)
     try:
         with LLMTestServer() as server:
-            url_db = f"sqlite:///{tmp}/k8s-real.db"
-            store = TraceStore(url_db)
-            tasks = [{"task_id": f"r{i}", "base_url": server.base_url, "store": url_db} for i in range(args.real)]
-            backend = KubernetesBackend(template, api_url=url)
-            row("k8s, real pods (2-call tool agent, a process per rollout)", args.real,
-                *cell("tests.controller.controller_agents:tool_agent", backend, tasks, 8, store, warm=2))
-            print(f"(llm calls in store: {store.count('llm_calls')})")
-            store.close()
+            cells = [(n, 1) for n in per_job] + ([(max(per_job), args.pod_concurrency)]
+                                                  if args.pod_concurrency > 1 else [])
+            for n, k in cells:
+                url_db = f"sqlite:///{tmp}/k8s-real-{n}-{k}.db"
+                store = TraceStore(url_db)
+                tasks = [{"task_id": f"r{i}", "base_url": server.base_url, "store": url_db} for i in range(args.real)]
+                backend = KubernetesBackend(template, api_url=url, rollouts_per_job=n, pod_concurrency=k)
+                at_once = f", {k} at once" if k > 1 else ""
+                row(f"k8s, real pods (2-call tool agent, a process per pod), {n} per Job{at_once}", args.real,
+                    *cell("tests.controller.controller_agents:tool_agent", backend, tasks, args.real_concurrency,
+                          store, warm=2))
+                print(f"(llm calls in store: {store.count('llm_calls')})", flush=True)
+                store.close()
     finally:
         proc.kill()
 

@@ -39,6 +39,10 @@ def add_cli(sub: Any) -> None:
         q.add_argument("--k8s-image", default=None, help="the rollout image (overrides the template's)")
         q.add_argument("--k8s-namespace", default=None, help="namespace of the rollout Jobs")
         q.add_argument("--k8s-api-url", default=None, help="API server URL without auth (default: kubeconfig)")
+        q.add_argument("--k8s-rollouts-per-job", type=int, default=1, metavar="N",
+                       help="run up to N rollouts one after another in each Job's pod (default 1)")
+        q.add_argument("--k8s-pod-concurrency", type=int, default=1, metavar="K",
+                       help="with --k8s-rollouts-per-job: K of a pod's rollouts at once (default 1)")
         q.add_argument("--rewards", default=None, metavar="FILE",
                        help="a reward configuration (TOML/JSON) each rollout is scored under (docs/rewards.md)")
 
@@ -83,7 +87,11 @@ def _backend_from(args: Any) -> str | KubernetesBackend:
         template = PodTemplate(image=args.k8s_image, namespace=args.k8s_namespace or "default")
     else:
         raise UsageError("--backend k8s needs --k8s-template FILE or --k8s-image IMAGE")
-    return KubernetesBackend(template, api_url=args.k8s_api_url, max_jobs=args.workers)
+    if args.k8s_rollouts_per_job < 1 or args.k8s_pod_concurrency < 1:
+        raise UsageError("--k8s-rollouts-per-job and --k8s-pod-concurrency must be >= 1, not "
+                         f"{args.k8s_rollouts_per_job}, {args.k8s_pod_concurrency}")
+    return KubernetesBackend(template, api_url=args.k8s_api_url, max_jobs=args.workers,
+                             rollouts_per_job=args.k8s_rollouts_per_job, pod_concurrency=args.k8s_pod_concurrency)
 
 
 def _controller_from(args: Any) -> RolloutController:

@@ -17,8 +17,8 @@ leases, policy-version tags, continuous mode) in one asyncio loop; a `Backend`
 only runs one job and reports its outcome. Backends: "asyncio" (async agents),
 "thread" (sync agents), "process" (a pool of worker processes; a killed worker
 fails only its rollout), "ray" (actors on a Ray cluster), "k8s" (a Job per rollout,
-`k8s_template=PodTemplate(...)`). Ray and the kubernetes client are imported only when
-their backend starts.
+`k8s_template=PodTemplate(...)`; several per Job: `backend=KubernetesBackend(..., rollouts_per_job=N)`).
+Ray and the kubernetes client are imported only when their backend starts.
 """
 
 from __future__ import annotations

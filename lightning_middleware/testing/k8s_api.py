@@ -313,26 +313,29 @@ class K8sAPIServer:
             return _status(410, "Expired", f"too old resource version: {since} ({oldest - 1})")
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         await resp.prepare(request)
-        if since and since != "0":
-            cursor = int(since)
-        else:  # no version: the current objects first, as ADDED
-            cursor = store.rv
-            for obj in store.select(plural, ns, selector):
-                await resp.write(json.dumps({"type": "ADDED", "object": obj}).encode() + b"\n")
-        end = time.monotonic() + float(request.query.get("timeoutSeconds") or 1800)
-        while time.monotonic() < end:
-            start = bisect.bisect_right(store.history, cursor, key=lambda e: e[0])
-            for rv, kind, p, obj in store.history[start:]:
-                cursor = rv
-                if p == plural and (ns is None or obj["metadata"].get("namespace") == ns) and \
-                        _selector_matches(selector, obj["metadata"].get("labels") or {}):
-                    await resp.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
-            if store.history and store.history[-1][0] > cursor:
-                continue  # more arrived while this stream was writing
-            async with store.changed:
-                try:
-                    await asyncio.wait_for(store.changed.wait(), max(0.01, min(5.0, end - time.monotonic())))
-                except asyncio.TimeoutError:
-                    pass
-        await resp.write_eof()
-        return resp
+        try:
+            if since and since != "0":
+                cursor = int(since)
+            else:  # no version: the current objects first, as ADDED
+                cursor = store.rv
+                for obj in store.select(plural, ns, selector):
+                    await resp.write(json.dumps({"type": "ADDED", "object": obj}).encode() + b"\n")
+            end = time.monotonic() + float(request.query.get("timeoutSeconds") or 1800)
+            while time.monotonic() < end:
+                start = bisect.bisect_right(store.history, cursor, key=lambda e: e[0])
+                for rv, kind, p, obj in store.history[start:]:
+                    cursor = rv
+                    if p == plural and (ns is None or obj["metadata"].get("namespace") == ns) and \
+                            _selector_matches(selector, obj["metadata"].get("labels") or {}):
+                        await resp.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
+                if store.history and store.history[-1][0] > cursor:
+                    continue  # more arrived while this stream was writing
+                async with store.changed:
+                    try:
+                        await asyncio.wait_for(store.changed.wait(), max(0.01, min(5.0, end - time.monotonic())))
+                    except asyncio.TimeoutError:
+                        pass
+            await resp.write_eof()
+            return resp
+        except ConnectionResetError:  # the client stopped its watch: nobody left to tell
+            return resp

@@ -9,9 +9,11 @@ conditions, `activeDeadlineSeconds`, `ttlSecondsAfterFinished`, deleting a pod k
 `faults(job) -> str | None` makes a pod fail as a cluster can: "image_pull" (ErrImagePull, then
 ImagePullBackOff; it never starts), "oom" (killed, OOMKilled), "evict" (Failed, reason Evicted),
 "node_lost" (DisruptionTarget, then the pod is deleted), "slow_start:<s>" (starts after s seconds,
-like a slow image pull: the Job's deadline counts from its start). `instant=True` runs nothing:
-every container "exits" 0 at once reporting a succeeded rollout with reward 1.0 (to measure what
-the controller costs per Job, bench/bench_controller_k8s.py).
+like a slow image pull: the Job's deadline counts from its start). `kill_pod(pid, fault)` does
+"oom", "evict" or "node_lost" to the running pod whose process is `pid`, at the moment a test
+chooses (mid-batch). `instant=True` runs nothing: every container "exits" 0 at once reporting
+succeeded rollouts with reward 1.0 (to measure what the controller costs per Job,
+bench/bench_controller_k8s.py).
 
 Standalone, in its own process: `python -m lightning_middleware.testing.kubelet --port 8011 [--instant]`.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import json
 import os
 import signal
 import tempfile
@@ -29,6 +32,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_middleware.controller.backends.k8s_batch import batch_message
+from lightning_middleware.controller.backends.k8s_template import ENV_JOBS
+from lightning_middleware.controller.jobs import RolloutOutcome
 from lightning_middleware.testing.k8s_api import K8sAPIServer, ObjectStore, now_iso
 
 Fault = Callable[[dict[str, Any]], "str | None"]
@@ -53,6 +59,7 @@ class Kubelet:
         self.pods_started = 0
         self._procs: dict[tuple[str, str], asyncio.subprocess.Process] = {}
         self._gone: dict[tuple[str, str], asyncio.Event] = {}
+        self._forced: dict[tuple[str, str], str] = {}  # kill_pod's fault for a pod
         self._tasks: set[asyncio.Task[None]] = set()
         self._tmp = tempfile.TemporaryDirectory(prefix="kubelet-")
 
@@ -89,6 +96,21 @@ class Kubelet:
             if proc is not None and proc.returncode is None:
                 proc.send_signal(signal.SIGTERM)  # as the kubelet does; SIGKILL after a grace period
                 asyncio.get_running_loop().call_later(2.0, _kill_if_running, proc)
+
+    def kill_pod(self, pid: int, fault: str = "evict") -> str:
+        """Do `fault` ("oom", "evict", "node_lost") to the running pod whose process is `pid`, now;
+        the pod's name. Thread-safe (it runs on the API server's loop)."""
+        if fault not in ("oom", "evict", "node_lost"):
+            raise ValueError(f"kill_pod fault must be oom, evict or node_lost, not {fault!r}")
+
+        def kill() -> str:
+            for key, proc in self._procs.items():
+                if proc.pid == pid and proc.returncode is None:
+                    self._forced[key] = fault
+                    proc.kill()
+                    return key[1]
+            raise LookupError(f"no running pod has process {pid}")
+        return str(self.api.call(kill))
 
     def _patch(self, plural: str, ns: str, name: str, patch: dict[str, Any]) -> None:
         if (plural, ns, name) in self.store.objects:  # it may have been deleted meanwhile
@@ -179,7 +201,7 @@ class Kubelet:
             if fault and fault.startswith("slow_start:"):
                 await asyncio.sleep(float(fault.split(":", 1)[1]))
             if self.instant:
-                self._terminated(ns, name, base, now_iso(), 0, None, "", ['{"status":"succeeded","reward":1.0}\n'])
+                self._terminated(ns, name, base, now_iso(), 0, None, "", [_instant_message(container) + "\n"])
                 return True
             return await self._run_process(ns, pod, container, base, fault)
         finally:
@@ -217,6 +239,7 @@ class Kubelet:
         finally:
             await asyncio.gather(reader, return_exceptions=True)
             self._procs.pop((ns, name), None)
+        fault = self._forced.pop((ns, name), fault)
         self._terminated(ns, name, base, started, code, fault, term_log, logs)
         return code == 0 and fault is None
 
@@ -247,6 +270,15 @@ class Kubelet:
         self._patch("pods", ns, name, {"status": status})
         if fault == "node_lost" and ("pods", ns, name) in self.store.objects:
             self.store.delete("pods", ns, name)
+
+
+def _instant_message(container: dict[str, Any]) -> str:
+    """What an instant pod reports: a succeeded outcome for its rollout, or for each of its batch's."""
+    batch = next((e.get("value") for e in container.get("env") or [] if e["name"] == ENV_JOBS), None)
+    if batch is None:
+        return '{"status":"succeeded","reward":1.0}'
+    ok = RolloutOutcome(status="succeeded", reward=1.0)
+    return batch_message({job["rollout_id"]: ok for job in json.loads(batch)}, [])
 
 
 def _kill_if_running(proc: asyncio.subprocess.Process) -> None:

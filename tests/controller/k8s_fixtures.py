@@ -27,9 +27,12 @@ def template(**kw: Any) -> PodTemplate:
 
 
 def task_fault(job: dict[str, Any]) -> str | None:
-    """The fault a test task asks for (`task["fault"]`), on its first attempt only (the retry runs clean)."""
-    spec = json.loads(job_env(job)["LIGHTNING_ROLLOUT_JOB"])
-    return spec["task"].get("fault") if spec["attempt"] == 1 else None
+    """The fault a test task asks for (`task["fault"]`), on its first attempt only (the retry runs clean);
+    for a batch Job, the first such fault among its rollouts."""
+    env = job_env(job)
+    specs = json.loads(env["LIGHTNING_ROLLOUT_JOBS"]) if "LIGHTNING_ROLLOUT_JOBS" in env \
+        else [json.loads(env["LIGHTNING_ROLLOUT_JOB"])]
+    return next((s["task"]["fault"] for s in specs if s["attempt"] == 1 and s["task"].get("fault")), None)
 
 
 @pytest.fixture

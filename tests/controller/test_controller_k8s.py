@@ -135,9 +135,9 @@ def test_concurrency_limit_pause_and_drain(cluster: Cluster, llm_server: LLMTest
     assert api.objects("jobs", run_selector(backend.run_id)) == []  # close() deleted the run's Jobs
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize(("sig", "per_job"), [(signal.SIGTERM, 1), (signal.SIGINT, 1), (signal.SIGTERM, 3)])
 def test_a_signal_deletes_the_runs_jobs(cluster: Cluster, llm_server: LLMTestServer, sq: TraceStore,
-                                        tmp_path: Path, sig: signal.Signals) -> None:
+                                        tmp_path: Path, sig: signal.Signals, per_job: int) -> None:
     api, kubelet = cluster
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(t) + "\n" for t in A.make_tasks(llm_server, sq, 3, sleep=60)))
@@ -149,13 +149,13 @@ def test_a_signal_deletes_the_runs_jobs(cluster: Cluster, llm_server: LLMTestSer
     cmd = [sys.executable, "-m", "lightning_middleware.cli", "rollouts", "run", "--agent",
            "tests.controller.controller_agents:tool_agent", "--tasks", str(tasks), "--store",
            sq.url.render_as_string(hide_password=False), "--backend", "k8s", "--k8s-template", str(tmpl),
-           "--k8s-api-url", api.url, "--concurrency", "3"]
+           "--k8s-api-url", api.url, "--concurrency", "3", "--k8s-rollouts-per-job", str(per_job)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    end = time.monotonic() + 90
-    while len(sq.query_rollouts(status="running")) < 3 and time.monotonic() < end and proc.poll() is None:
+    end = time.monotonic() + 90  # a batch runs its rollouts one after another: one of them is running
+    while len(sq.query_rollouts(status="running")) < 3 // per_job and time.monotonic() < end and proc.poll() is None:
         time.sleep(0.1)
-    assert len(api.objects("jobs")) == 3, proc.stdout.read() if proc.poll() is not None else "no jobs"
+    assert len(api.objects("jobs")) == 3 // per_job, proc.stdout.read() if proc.poll() is not None else "no jobs"
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode != 0, out
@@ -164,7 +164,7 @@ def test_a_signal_deletes_the_runs_jobs(cluster: Cluster, llm_server: LLMTestSer
     while kubelet.active and time.monotonic() < end:
         time.sleep(0.05)
     assert kubelet.active == 0  # the pods' processes were stopped
-    ended = sq.query_rollouts()
+    ended = sq.query_rollouts()  # the batch's rollouts that never started too
     assert len(ended) == 3 and all(r.status == "failed" and "deleted the rollout's Job" in r.error for r in ended)
 
 

@@ -53,3 +53,18 @@ def test_rollouts_and_failures_on_a_real_cluster() -> None:
                            backend=KubernetesBackend(good), timeout_s=60) as c:
         (exited,) = c.run([{"task_id": "exit", "exit_code": 3}])
     assert exited.status == "failed" and "exited with code 3" in exited.error and "agent log line 29" in exited.error
+
+
+def test_several_rollouts_per_job_on_a_real_cluster() -> None:
+    pytest.importorskip("kubernetes")
+    store = TraceStore(_env("LIGHTNING_TEST_K8S_STORE"))
+    ns = os.environ.get("LIGHTNING_TEST_K8S_NAMESPACE", "default")
+    pod_store = os.environ.get("LIGHTNING_TEST_K8S_POD_STORE") or store.url.render_as_string(hide_password=False)
+    good = PodTemplate(image=_env("LIGHTNING_TEST_K8S_IMAGE"), namespace=ns, store_url=pod_store,
+                       image_pull_policy="IfNotPresent", startup_grace_s=120)
+    backend = KubernetesBackend(good, rollouts_per_job=4, batch_linger_s=1.0)
+    with RolloutController("tests.controller.controller_agents:sync_noop_agent", store=store, backend=backend,
+                           concurrency=8, timeout_s=60, policy_version=0) as c:
+        results = c.run([{"task_id": f"b{i}"} for i in range(8)])
+    assert all(r.status == "succeeded" and r.reward == 1.0 and r.attempts == 1 for r in results), results
+    assert backend.jobs_created == 2  # the termination message carried every rollout's outcome

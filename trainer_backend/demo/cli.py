@@ -54,6 +54,10 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--warm-start-precision", choices=("auto", "bf16", "fp32"), default=d.warm_start_precision,
                    help="warm-start SFT precision (auto: bf16 only where the CPU computes it natively and faster)")
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy evaluations")
+    p.add_argument("--rewards", default=None, metavar="FILE",
+                   help="guess task: score every rollout under this reward configuration (TOML/JSON, "
+                        "docs/rewards.md; examples/rewards/) and train on its final reward; the evaluation "
+                        "stays the task's own success")
     p.add_argument("--task", choices=("guess", "team", "arith"), default=d.task,
                    help="guess: one agent; team: two LangGraph agents (scout, closer), each its own LoRA policy; "
                         "arith: word problems with a calculator (--model smollm2)")
@@ -91,7 +95,7 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
                       lr_warmup_steps=max(0, args.lr_warmup_steps),
                       sft_steps=args.sft_steps, warm_start_precision=args.warm_start_precision,
                       threads=args.threads, model_dir=None if smol else args.model,
-                      max_steps=args.max_steps, greedy=not args.no_greedy,
+                      max_steps=args.max_steps, greedy=not args.no_greedy, rewards=args.rewards,
                       extra={"lora_rank": args.lora_rank} if smol and args.lora_rank > 0 else {},
                       progress=sys.stderr.isatty() or os.environ.get("LIGHTNING_PROGRESS") == "1")
 
@@ -99,6 +103,10 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
 def run_cli(args: argparse.Namespace) -> int:
     if args.shared_policy and args.task != "team":
         print("lightning-mw demo: --shared-policy is for --task team", file=sys.stderr)
+        return 2
+    if args.rewards and args.task != "guess":
+        print("lightning-mw demo: --rewards is for --task guess (the team and arith tasks evaluate by their "
+              "own rewards)", file=sys.stderr)
         return 2
     smol = args.model == "smollm2"
     if smol != (args.task == "arith"):

@@ -35,10 +35,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_middleware.controller import RolloutController, RolloutResult
+from lightning_middleware.rewards import RewardConfig, Scorer, load_config
 from lightning_middleware.store import TraceStore
 from trainer_backend.daemon.trainer_daemon import GroupPolicy, StepResult, TrainerConfig, TrainerDaemon
 from trainer_backend.demo.agent import SERVED_NAME, evaluate, make_agent
+from trainer_backend.demo.outcomes import curve_summary, report_line, step_outcomes
 from trainer_backend.demo.report import plot_curve
+from trainer_backend.demo.schedule import lr_at, spent
 from trainer_backend.demo.task import make_tasks
 from trainer_backend.demo.warm_start import WarmStartConfig, warm_start
 from trainer_backend.serving.env import ensure_vllm_env, lightning_home
@@ -82,6 +85,7 @@ class DemoConfig:
     concurrency: int = 128
     threads: int | None = None  # torch threads in the trainer (None: 1 in async mode, all cores in sync)
     max_steps: int | None = None  # RL budget in steps (the lr decays over it); `minutes` still caps the time
+    rewards: str | None = None  # a reward configuration file (docs/rewards.md) every rollout is scored under
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -117,6 +121,12 @@ class DemoRun:
         self.eval_tasks = make_tasks(cfg.eval_tasks, cfg.seed, "eval")
         self.train_tasks = make_tasks(cfg.train_tasks, cfg.seed, "train")
         self.model_dir = Path(cfg.model_dir) if cfg.model_dir else None
+        # Loaded, and every function resolved (Scorer), before anything starts: a bad file fails fast.
+        self.reward_config: RewardConfig | None = load_config(cfg.rewards) if cfg.rewards else None
+        if self.reward_config is not None:
+            Scorer(self.reward_config)
+            self.results["rewards"] = {"path": str(Path(cfg.rewards or "").resolve()), "hash": self.reward_config.hash,
+                                       "name": self.reward_config.name, "config": self.reward_config.describe()}
         self.store: TraceStore | None = None
         self.server: VLLMServer | None = None
         self.controller: RolloutController | None = None
@@ -154,7 +164,11 @@ class DemoRun:
             self._agent(self.server.base_url, store), store=store, backend="asyncio",
             concurrency=self.cfg.concurrency, timeout_s=120,
             policy_version=lambda: store.latest_policy_version() or 0,
-            policy_version_ttl_s=0.0)  # sync mode must never tag a stale version
+            policy_version_ttl_s=0.0,  # sync mode must never tag a stale version
+            rewards=self.reward_config)  # None: the agent's own reward trains
+        if self.reward_config is not None:
+            say(f"      reward: {self.cfg.rewards} (hash {self.reward_config.hash}): "
+                + ", ".join(f"{n} x {w:g}" for n, w in self.reward_config.weights.items()))
 
     def _server(self) -> VLLMServer:
         assert self.model_dir is not None
@@ -169,11 +183,16 @@ class DemoRun:
         assert self.controller is not None
         step = "[3/5] baseline" if tag == "before" else "[5/5] after RL: evaluating"
         say(f"{step} on {len(self.eval_tasks)} held-out tasks")
-        res = {"sampled": evaluate(self.controller, self.eval_tasks, temperature=1.0, tag=f"{tag}-t1")}
+        res = {"sampled": evaluate(self.controller, self.eval_tasks, temperature=1.0, tag=f"{tag}-t1",
+                                   store=self.store)}
         if self.cfg.greedy:
-            res["greedy"] = evaluate(self.controller, self.eval_tasks, temperature=0.0, tag=f"{tag}-greedy")
-        say(f"      success {res['sampled']['success']:.1%} sampled (T=1)"
-            + (f", {res['greedy']['success']:.1%} greedy" if self.cfg.greedy else ""))
+            res["greedy"] = evaluate(self.controller, self.eval_tasks, temperature=0.0, tag=f"{tag}-greedy",
+                                     store=self.store)
+        sampled = res["sampled"]
+        say(f"      success {sampled['success']:.1%} sampled (T=1)"
+            + (f", {res['greedy']['success']:.1%} greedy" if self.cfg.greedy else "")
+            + f"; {sampled.get('tool_calls_mean', float('nan')):.2f} tool calls per rollout"
+            + (f", hacking rate {sampled['hacking_rate']:.1%}" if "hacking_rate" in sampled else ""))
         return res
 
     # -- 4. train ----------------------------------------------------------------------
@@ -198,7 +217,8 @@ class DemoRun:
             + f": {cfg.groups_per_step} tasks x {cfg.group_size} samples per step, lr {cfg.lr:g} "
             f"(warm-up {cfg.lr_warmup_steps} steps" + (f", then to {cfg.lr_end:g} by the end)" if cfg.lr_end is not None
                                                        else ")"))
-        loop = _TrainingLoop(cfg, controller, daemon, engine)
+        # the guess task's success, tool calls and guards read back from the store (outcomes.py)
+        loop = _TrainingLoop(cfg, controller, daemon, engine, store if cfg.task == "guess" else None)
         self._timer = threading.Timer(cfg.minutes * 60, loop.stop)
         self._timer.daemon = True
         self._timer.start()
@@ -247,6 +267,7 @@ class DemoRun:
         before, after = res["before"], res["after"]
         gain = after["sampled"]["success"] - before["sampled"]["success"]
         res["gain_pp"] = 100 * gain
+        res["rl_summary"] = curve_summary(res.get("curve", []))
         (self.out / "results.json").write_text(json.dumps(res, indent=2, default=str))
         plot_curve(res, self.out / "reward_curve.png")
         say(f"\nheld-out success, sampled (T=1): {before['sampled']['success']:.1%} -> "
@@ -254,6 +275,7 @@ class DemoRun:
         if "greedy" in before:
             say(f"held-out success, greedy:        {before['greedy']['success']:.1%} -> "
                 f"{after['greedy']['success']:.1%}")
+        say(report_line(res))
         say(f"{res['steps']} steps, {res['trained_rollouts']} rollouts trained in {self.timings['rl_s'] / 60:.1f} min; "
             f"curve: {self.out / 'reward_curve.png'}")
         return res
@@ -285,13 +307,14 @@ class _TrainingLoop:
     """The RL phase: rollouts and trainer steps, the lr schedule, the curve, the budget."""
 
     def __init__(self, cfg: DemoConfig, controller: RolloutController, daemon: TrainerDaemon,
-                 engine: TorchEngine | PolicySet) -> None:
+                 engine: TorchEngine | PolicySet, store: TraceStore | None = None) -> None:
         self.cfg, self.controller, self.daemon, self.engine = cfg, controller, daemon, engine
+        self.store = store  # None: success from the results' rewards (the team and arith tasks)
         self.stopping = threading.Event()
         self.curve: list[dict[str, Any]] = []
         # Success over ALL train rollouts that finished since the previous step: the trained
         # batch alone is biased (groups whose rewards are all equal carry no signal and are skipped).
-        self.finished: list[float] = []
+        self.finished: list[RolloutResult] = []
         self.seen = 0
         self.trained = 0
         self.t0 = time.perf_counter()
@@ -302,7 +325,7 @@ class _TrainingLoop:
         self.daemon.stop()
 
     def on_group(self, group: list[RolloutResult]) -> None:
-        self.finished.extend(float(r.reward or 0.0) for r in group)
+        self.finished.extend(group)
 
     def on_step(self, res: StepResult) -> None:
         m, cfg = res.metrics, self.cfg
@@ -311,10 +334,13 @@ class _TrainingLoop:
         self.engine.set_lr(lr_at(cfg, res.step + 1, spent(cfg, res.step, time.perf_counter() - self.t0)))
         self.trained += int(m.get("n_rollouts", 0))
         new, self.seen = self.finished[self.seen:], len(self.finished)
-        success = sum(1 for x in new if x >= 1.0) / len(new) if new else float("nan")
+        found = step_outcomes(self.store, new)
+        success = found.pop("success", float("nan"))
         self.curve.append({
             "step": res.step, "t_s": time.perf_counter() - self.t0, "version": res.policy_version,
             "success": success, "finished": len(new), "batch_reward": m["reward_mean"],
+            # the finished rollouts' tool calls and guards; the trained batch's as the trainer logged them
+            **found, **{f"batch_{k}": v for k, v in m.items() if k == "hacking_rate" or k.startswith("guard_")},
             "batch_success": m["success_rate"], "rollouts": m.get("n_rollouts", 0), "kl": m.get("approx_kl"),
             "lr": lr_used, "clip_frac": m.get("clip_frac"), "step_time_s": m.get("step_time_s"),
             "staleness_max": m.get("staleness_max"), "entropy": m.get("entropy"), "grad_norm": m.get("grad_norm"),
@@ -406,29 +432,6 @@ def _extras_of(cfg: DemoConfig) -> dict[str, Any]:
     if cfg.algo == "dpo":
         return {"dpo": DPOConfig(beta=0.1)}
     return {}
-
-
-def lr_at(cfg: DemoConfig, step: int, spent: float) -> float:
-    """The learning rate of RL step `step` (1-based) with `spent` of the budget used.
-
-    Linear warm-up over the first `lr_warmup_steps` steps (Adam's first updates move every
-    weight by ~lr, whatever the gradient's size), then a linear decay by the share of the
-    budget spent, to `lr_end` at its end.
-    """
-    if step <= cfg.lr_warmup_steps:
-        return cfg.lr * step / cfg.lr_warmup_steps
-    if cfg.lr_end is None:
-        return cfg.lr
-    return cfg.lr + (cfg.lr_end - cfg.lr) * min(1.0, max(0.0, spent))
-
-
-def spent(cfg: DemoConfig, step: int, elapsed_s: float) -> float:
-    """Share of the RL budget used after `step` steps and `elapsed_s` seconds: the larger of the
-    time share and, with max_steps, the step share (a step budget ends where the time cap would)."""
-    share = elapsed_s / (cfg.minutes * 60)
-    if cfg.max_steps:
-        share = max(share, step / cfg.max_steps)
-    return share
 
 
 def _progress(cfg: DemoConfig) -> Any:

@@ -1,6 +1,6 @@
 """Where rollouts run: "asyncio" (async agents), "thread" (sync agents), "process" (a pool of
-worker processes), "ray" (actors on a Ray cluster), "k8s" (a Kubernetes Job per rollout), all
-behind the `Backend` protocol. Ray and the kubernetes client are imported only when used."""
+worker processes), "ray" (actors on a Ray cluster), "k8s" (a Kubernetes Job per rollout, or per
+batch of rollouts), all behind the `Backend` protocol. Ray and the kubernetes client are imported only when used."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Rollouts as Kubernetes Jobs, one per rollout, through the official `kubernetes` client (the `k8s`
-extra), imported when the backend starts, never by the light core's import path.
+"""Rollouts as Kubernetes Jobs, one per rollout or a batch of rollouts per Job (k8s_batch.py), through
+the official `kubernetes` client (the `k8s` extra), imported when the backend starts, never by the
+light core's import path.
 
 Each Job runs the pod template's image with the worker entrypoint (`lightning-mw rollouts worker`),
 which runs the agent exactly as a local worker process would and reaches the store by its URL.
@@ -12,25 +13,32 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from dataclasses import dataclass, replace
 from typing import Any
 
+from lightning_middleware.controller.backends.k8s_batch import Batcher, assign, parse_batch_message, termination_message
+from lightning_middleware.controller.backends.k8s_client import (
+    KubernetesAPIError,
+    agent_reference,
+    api_client,
+    reap_jobs,
+)
 from lightning_middleware.controller.backends.k8s_status import PodNodeLost, Verdict, judge
 from lightning_middleware.controller.backends.k8s_template import (
-    MANAGED_BY,
-    MANAGER,
+    BATCH_LABEL,
     ROLLOUT_LABEL,
-    RUN_LABEL,
     PodTemplate,
     active_deadline_s,
+    batch_job_name,
+    batch_manifest,
+    batch_rounds,
     job_manifest,
     job_name,
+    jobs_payload,
     network_policy,
     run_selector,
 )
@@ -40,61 +48,39 @@ from lightning_middleware.records import Mode, Rollout, RolloutStatus
 from lightning_middleware.store import TraceStore
 
 log = logging.getLogger(__name__)
-
-
-class KubernetesAPIError(WorkerLost):
-    """The API server could not be reached or failed (5xx): retried as an infrastructure error."""
-
-
-def agent_reference(agent: AgentFn | str) -> str:
-    """A pod imports the agent: "module:function" (a module-level function is turned into one)."""
-    if isinstance(agent, str):
-        return agent
-    module, name = getattr(agent, "__module__", None), getattr(agent, "__qualname__", "")
-    if not module or module == "__main__" or "<" in name:
-        raise ValueError("the k8s backend needs an importable agent: 'package.module:function' "
-                         f"or a module-level function, not {agent!r}")
-    return f"{module}:{name}"
-
-
-def api_client(*, api_url: str | None = None, kubeconfig: str | None = None, context: str | None = None,
-               pool_size: int = 16) -> Any:
-    """A kubernetes ApiClient: `api_url` (no auth, e.g. the emulator or `kubectl proxy`), else the
-    kubeconfig (`kubeconfig`, $KUBECONFIG or ~/.kube/config), else the in-cluster service account."""
-    from kubernetes import client, config
-
-    cfg = client.Configuration()
-    if api_url:
-        cfg.host = api_url
-    elif kubeconfig or os.environ.get("KUBECONFIG") or not os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_kube_config(config_file=kubeconfig, context=context, client_configuration=cfg)
-    else:
-        config.load_incluster_config(client_configuration=cfg)
-    cfg.connection_pool_maxsize = pool_size
-    return client.ApiClient(cfg)
+__all__ = ["KubernetesAPIError", "KubernetesBackend", "agent_reference", "api_client", "reap_jobs"]
+ENV_PAYLOAD_LIMIT = 96 * 1024  # bytes; Linux refuses a single env string over 128 KiB (MAX_ARG_STRLEN)
 
 
 @dataclass
 class _Tracked:
-    job: RolloutJob
+    """One Job (one rollout, or a batch) as its watches last reported it."""
+
+    jobs: list[RolloutJob]
+    label: str  # the label that names this Job's pods: the rollout's, or the batch's
+    key: str
+    name: str
+    deadline_s: int | None
     loop: asyncio.AbstractEventLoop
     changed: asyncio.Event
     job_obj: dict[str, Any] | None = None
     pod: dict[str, Any] | None = None
     pod_deleted: bool = False
     job_deleted: bool = False
-    names: list[str] = field(default_factory=list)
 
 
 class KubernetesBackend:
-    """One Kubernetes Job per rollout, in `template.namespace`.
+    """One Kubernetes Job per rollout (or per batch of up to `rollouts_per_job`), in `template.namespace`.
 
-    `max_jobs`: at most this many of this run's Jobs exist at once (the controller's concurrency
-    limit applies too). `network_policy`: create the sandbox NetworkPolicy at start (the template's
-    `sandbox.egress_to`); usually it is part of the manifests instead. `backstop_s`: past the Job's
-    deadline, the controller stops waiting for the cluster and deletes the Job itself. `close()`
-    deletes the run's Jobs: leaving `with RolloutController(...)` on Ctrl-C does it, and
-    `lightning-mw rollouts run` turns SIGTERM into Ctrl-C (in your own program:
+    `rollouts_per_job`: a Job's pod runs up to this many rollouts, one after another or
+    `pod_concurrency` at a time, each with its own timeout and outcome, saving a pod start per rollout;
+    a batch leaves when full or `batch_linger_s` after its first rollout arrived. `max_jobs`: at most
+    this many of this run's Jobs exist at once (the controller's `concurrency` counts rollouts).
+    `network_policy`: create the sandbox NetworkPolicy at start (`sandbox.egress_to`); usually it is
+    part of the manifests. `backstop_s`: past the Job's deadline, the controller stops waiting for the
+    cluster and deletes the Job itself. `close()` deletes the run's Jobs: leaving
+    `with RolloutController(...)` on Ctrl-C does it, and `lightning-mw rollouts run` turns SIGTERM
+    into Ctrl-C (in your own program:
     `signal.signal(signal.SIGTERM, signal.default_int_handler)`).
     """
 
@@ -105,8 +91,16 @@ class KubernetesBackend:
                  context: str | None = None, run_id: str | None = None, max_jobs: int | None = None,
                  api_threads: int = 16, log_lines: int = 20, network_policy: bool = False,
                  backstop_s: float = 30.0, watch_timeout_s: int = 60, start_timeout_s: float = 30.0,
-                 settle_s: float = 5.0) -> None:
+                 settle_s: float = 5.0, rollouts_per_job: int = 1, batch_linger_s: float = 0.1,
+                 pod_concurrency: int = 1) -> None:
+        if rollouts_per_job < 1 or pod_concurrency < 1:
+            raise ValueError(f"rollouts_per_job and pod_concurrency must be >= 1, not {rollouts_per_job}, "
+                             f"{pod_concurrency}")
         self.template = template
+        self.rollouts_per_job = rollouts_per_job
+        self.pod_concurrency = pod_concurrency
+        self.batch_linger_s = batch_linger_s
+        self.jobs_created = 0
         self.namespace = template.namespace
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.max_jobs = max_jobs
@@ -124,6 +118,7 @@ class KubernetesBackend:
         self._watchers: list[Any] = []
         self._slots: asyncio.Semaphore | None = None
         self._slots_loop: asyncio.AbstractEventLoop | None = None
+        self._batcher: Batcher | None = None
         self._api: Any = None
         self._last_watch_error: str | None = None
 
@@ -172,7 +167,7 @@ class KubernetesBackend:
             except Exception as exc:  # noqa: BLE001 - the cluster may be gone; `reap` cleans up later
                 log.warning("deleting the Jobs of run %s failed (run `lightning-mw k8s reap`): %s", self.run_id, exc)
             with self._lock:
-                left = [t.job for t in self._tracked.values()]
+                left = [job for t in self._tracked.values() for job in t.jobs]
             for job in left:
                 self._end_in_store(job, "failed", "cancelled: the controller stopped and deleted the rollout's Job")
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -235,9 +230,10 @@ class KubernetesBackend:
             self._closing.wait(0.5)
 
     def _on(self, kind: str, event: str, obj: dict[str, Any]) -> None:
-        rid = ((obj.get("metadata") or {}).get("labels") or {}).get(ROLLOUT_LABEL)
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        key = labels.get(BATCH_LABEL) or labels.get(ROLLOUT_LABEL)
         with self._lock:
-            tracked = self._tracked.get(rid or "")
+            tracked = self._tracked.get(key or "")
             if tracked is None:
                 return
             if kind == "jobs":
@@ -254,24 +250,58 @@ class KubernetesBackend:
         loop = asyncio.get_running_loop()
         if self._slots is None or self._slots_loop is not loop:
             self._slots, self._slots_loop = asyncio.Semaphore(self.max_jobs or 1_000_000), loop
+        if self.rollouts_per_job == 1:
+            return (await self._run_jobs([job]))[0]
+        if self._batcher is None or self._batcher.loop is not loop:
+            self._batcher = Batcher(self.rollouts_per_job, self.batch_linger_s, self._run_jobs, loop)
+        return await self._batcher.submit(job)
+
+    async def _run_jobs(self, jobs: list[RolloutJob]) -> list[RolloutOutcome]:
+        """One Job for `jobs` (split in halves while its env would be too large); one outcome each."""
+        if len(jobs) > 1 and len(jobs_payload(jobs).encode()) > ENV_PAYLOAD_LIMIT:
+            half = len(jobs) // 2
+            parts = await asyncio.gather(self._run_jobs(jobs[:half]), self._run_jobs(jobs[half:]))
+            return parts[0] + parts[1]
+        assert self._slots is not None
         async with self._slots:
             t0 = time.monotonic()
-            tracked = _Tracked(job, loop, asyncio.Event())
-            with self._lock:
-                self._tracked[job.rollout_id] = tracked
+            tracked = self._track(jobs)
             try:
-                manifest = job_manifest(self.template, job, run_id=self.run_id, agent_ref=self._agent_ref)
+                manifest = self._manifest(tracked)
                 refused = await self._create(manifest, t0)
                 if refused is not None:
-                    return refused
+                    return [refused] * len(jobs)
+                self.jobs_created += 1
                 verdict = await self._wait(tracked)
-                return await self._conclude(tracked, verdict, t0)
+                if len(jobs) == 1:
+                    return [await self._conclude(tracked, verdict, t0)]
+                return await self._conclude_batch(tracked, verdict, t0)
             except asyncio.CancelledError:
-                await asyncio.shield(self._call(self._delete_job, job.rollout_id))
+                await asyncio.shield(self._call(self._delete_job, tracked.name))
                 raise
             finally:
                 with self._lock:
-                    self._tracked.pop(job.rollout_id, None)
+                    self._tracked.pop(tracked.key, None)
+
+    def _track(self, jobs: list[RolloutJob]) -> _Tracked:
+        loop = asyncio.get_running_loop()
+        deadline = active_deadline_s(self.template, jobs[0].timeout_s, batch_rounds(len(jobs), self.pod_concurrency))
+        if len(jobs) == 1:
+            rid = jobs[0].rollout_id
+            tracked = _Tracked(jobs, ROLLOUT_LABEL, rid, job_name(self.template, rid), deadline, loop, asyncio.Event())
+        else:
+            bid = uuid.uuid4().hex
+            tracked = _Tracked(jobs, BATCH_LABEL, bid, batch_job_name(self.template, bid), deadline, loop,
+                               asyncio.Event())
+        with self._lock:
+            self._tracked[tracked.key] = tracked
+        return tracked
+
+    def _manifest(self, tracked: _Tracked) -> dict[str, Any]:
+        if tracked.label == ROLLOUT_LABEL:
+            return job_manifest(self.template, tracked.jobs[0], run_id=self.run_id, agent_ref=self._agent_ref)
+        return batch_manifest(self.template, tracked.jobs, run_id=self.run_id, batch_id=tracked.key,
+                              agent_ref=self._agent_ref, concurrency=self.pod_concurrency)
 
     async def _create(self, manifest: dict[str, Any], t0: float) -> RolloutOutcome | None:
         from kubernetes.client import ApiException
@@ -290,7 +320,7 @@ class KubernetesBackend:
                               ended_by_controller=True)
 
     async def _wait(self, tracked: _Tracked) -> Verdict:
-        deadline = active_deadline_s(self.template, tracked.job.timeout_s)
+        deadline = tracked.deadline_s
         end = None if deadline is None else time.monotonic() + deadline + self.backstop_s
         settle_end: float | None = None
         while True:
@@ -320,27 +350,61 @@ class KubernetesBackend:
 
     async def _settled(self, tracked: _Tracked) -> Verdict:
         """The Job failed and its pod's end never arrived by the watch: read the pod once, then judge."""
-        sel = f"{ROLLOUT_LABEL}={tracked.job.rollout_id}"
+        sel = f"{tracked.label}={tracked.key}"
         try:
             pods = (await self._call(self._core.list_namespaced_pod, self.namespace, label_selector=sel)).items
         except Exception as exc:  # noqa: BLE001 - judge from what the watch delivered
-            log.warning("reading the pod of rollout %s failed: %s", tracked.job.rollout_id, exc)
+            log.warning("reading the pod of Job %s failed: %s", tracked.name, exc)
             pods = []
         pod = self._api.sanitize_for_serialization(pods[0]) if pods else tracked.pod
         return judge(tracked.job_obj, pod, pod_deleted=tracked.pod_deleted or not pods, final=True)
 
     async def _conclude(self, tracked: _Tracked, verdict: Verdict, t0: float) -> RolloutOutcome:
-        job = tracked.job
+        job = tracked.jobs[0]
         outcome = verdict.outcome
         if verdict.needs_logs and verdict.pod_name:
             outcome = await self._with_logs(tracked, verdict)
         elif outcome is None:  # ended cleanly without a termination message: read what the worker stored
             outcome = await self._call(self._outcome_from_store, job)
         if verdict.delete_job:
-            await self._call(self._delete_job, job.rollout_id)
+            await self._call(self._delete_job, tracked.name)
         if outcome.ended_by_controller or not outcome.duration_s:
             outcome = replace(outcome, duration_s=time.monotonic() - t0)
         return outcome
+
+    async def _conclude_batch(self, tracked: _Tracked, verdict: Verdict, t0: float) -> list[RolloutOutcome]:
+        """A batch's end: what its pod reported finished, then the store for what the message lacks
+        (cut to fit, or the pod gone), then the pod's verdict for the rest (k8s_batch.assign)."""
+        job_outcome = verdict.outcome
+        if verdict.needs_logs and verdict.pod_name:
+            job_outcome = await self._with_logs(tracked, verdict)
+        if verdict.delete_job:
+            await self._call(self._delete_job, tracked.name)
+        pod = verdict.pod_name or ((tracked.pod or {}).get("metadata") or {}).get("name")
+        done, running = parse_batch_message(termination_message(tracked.pod), pod)
+        missing = [j for j in tracked.jobs if j.rollout_id not in done]
+        if missing:
+            stored, in_store_running = await self._call(self._stored_outcomes, missing)
+            done.update(stored)
+            running = running or in_store_running
+        outcomes = assign(tracked.jobs, done, running, job_outcome, pod)
+        took = time.monotonic() - t0
+        return [replace(o, duration_s=took) if o.ended_by_controller or not o.duration_s else o for o in outcomes]
+
+    def _stored_outcomes(self, jobs: list[RolloutJob]) -> tuple[dict[str, RolloutOutcome], list[str]]:
+        """The rollouts of `jobs` the store has ended (no error types: a retry policy cannot match
+        those), and those it still has running (the ones the pod was on)."""
+        self._store.flush(5.0)
+        done: dict[str, RolloutOutcome] = {}
+        running = []
+        for job in jobs:
+            found = self._store.get_rollout(job.rollout_id)
+            if found is not None and found.status != RolloutStatus.RUNNING:
+                done[job.rollout_id] = RolloutOutcome(status=found.status.value, reward=found.final_reward,
+                                                      error=found.error, duration_s=found.duration_s or 0.0)
+            elif found is not None:
+                running.append(job.rollout_id)
+        return done, running
 
     async def _with_logs(self, tracked: _Tracked, verdict: Verdict) -> RolloutOutcome:
         """A non-zero exit: the pod's last log lines go into the error (unless the Job hit its deadline,
@@ -349,8 +413,7 @@ class KubernetesBackend:
 
         assert verdict.outcome is not None and verdict.pod_name is not None
         try:
-            fresh = await self._call(self._batch.read_namespaced_job, job_name(self.template, tracked.job.rollout_id),
-                                     self.namespace)
+            fresh = await self._call(self._batch.read_namespaced_job, tracked.name, self.namespace)
             again = judge(self._api.sanitize_for_serialization(fresh), None)
             if again.outcome is not None and again.outcome.status == RolloutStatus.TIMEOUT.value:
                 return again.outcome
@@ -366,58 +429,18 @@ class KubernetesBackend:
         return replace(verdict.outcome, error=f"{verdict.outcome.error}; last log lines:\n{text}")
 
     def _outcome_from_store(self, job: RolloutJob) -> RolloutOutcome:
-        self._store.flush(5.0)
-        found = self._store.get_rollout(job.rollout_id)
-        if found is None or found.status == RolloutStatus.RUNNING:
-            exc = WorkerLost(f"the rollout pod ended without ending rollout {job.rollout_id} in the store")
-            return RolloutOutcome(status=RolloutStatus.FAILED.value, error=f"WorkerLost: {exc}",
-                                  error_types=tuple(type_names(WorkerLost)), ended_by_controller=True)
-        return RolloutOutcome(status=found.status.value, reward=found.final_reward, error=found.error,
-                              duration_s=found.duration_s or 0.0)
+        done, _ = self._stored_outcomes([job])
+        if job.rollout_id in done:
+            return done[job.rollout_id]
+        exc = WorkerLost(f"the rollout pod ended without ending rollout {job.rollout_id} in the store")
+        return RolloutOutcome(status=RolloutStatus.FAILED.value, error=f"WorkerLost: {exc}",
+                              error_types=tuple(type_names(WorkerLost)), ended_by_controller=True)
 
-    def _delete_job(self, rollout_id: str) -> None:
+    def _delete_job(self, name: str) -> None:
         from kubernetes.client import ApiException
 
         try:
-            self._batch.delete_namespaced_job(job_name(self.template, rollout_id), self.namespace,
-                                              propagation_policy="Background")
+            self._batch.delete_namespaced_job(name, self.namespace, propagation_policy="Background")
         except ApiException as exc:
             if exc.status != 404:
-                log.warning("deleting the Job of rollout %s failed: %s", rollout_id, exc)
-
-
-def reap_jobs(namespace: str, *, api: Any = None, store: TraceStore | None = None, older_than_s: float = 300.0,
-              run_id: str | None = None, dry_run: bool = False) -> list[str]:
-    """Delete orphaned rollout Jobs (label managed-by=lightning-middleware) in `namespace`; their names.
-
-    With `run_id`, every Job of that run. Otherwise Jobs created more than `older_than_s` ago whose
-    rollout has no lease heartbeat newer than that in `store` (its controller is gone); without a
-    store, every such old Job.
-    """
-    from kubernetes import client
-
-    api = api or api_client()
-    batch = client.BatchV1Api(api)
-    sel = f"{MANAGED_BY}={MANAGER}" + (f",{RUN_LABEL}={run_id}" if run_id else "")
-    jobs = [api.sanitize_for_serialization(j) for j in batch.list_namespaced_job(namespace, label_selector=sel).items]
-    now = time.time()
-    old = [j for j in jobs if run_id or now - _created(j) >= older_than_s]
-    if store is not None and not run_id:
-        ids = [j["metadata"]["labels"].get(ROLLOUT_LABEL, "") for j in old]
-        beats = store.lease_heartbeats(ids)
-        old = [j for j, rid in zip(old, ids) if now - beats.get(rid, 0.0) >= older_than_s]
-    names = [j["metadata"]["name"] for j in old]
-    for name in [] if dry_run else names:
-        try:
-            batch.delete_namespaced_job(name, namespace, propagation_policy="Background")
-        except client.ApiException as exc:
-            if exc.status != 404:
-                raise
-    return names
-
-
-def _created(job: dict[str, Any]) -> float:
-    stamp = (job.get("metadata") or {}).get("creationTimestamp")
-    if not stamp:
-        return time.time()
-    return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).astimezone(timezone.utc).timestamp()
+                log.warning("deleting the rollout Job %s failed: %s", name, exc)

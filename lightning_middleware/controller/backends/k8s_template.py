@@ -20,10 +20,14 @@ MANAGER = "lightning-middleware"
 ROLE_LABEL = "lightning-middleware/role"
 RUN_LABEL = "lightning-middleware/run"
 ROLLOUT_LABEL = "lightning-middleware/rollout"
+BATCH_LABEL = "lightning-middleware/batch"  # a Job running several rollouts (rollouts_per_job > 1)
 TASK_ANNOTATION = "lightning-middleware/task-id"
+ROLLOUTS_ANNOTATION = "lightning-middleware/rollouts"  # a batch Job's rollout ids, a JSON list, in order
 # What the worker entrypoint (controller/worker.py) reads from its environment.
 ENV_AGENT = "LIGHTNING_AGENT"
 ENV_JOB = "LIGHTNING_ROLLOUT_JOB"
+ENV_JOBS = "LIGHTNING_ROLLOUT_JOBS"  # a batch: the RolloutJobs as a JSON list, run in that order
+ENV_CONCURRENCY = "LIGHTNING_ROLLOUT_CONCURRENCY"  # a batch's rollouts at once in the pod (default 1)
 ENV_STORE = "LIGHTNING_STORE_URL"
 ENV_TERMINATION_LOG = "LIGHTNING_TERMINATION_LOG"
 DEFAULT_COMMAND = ("lightning-mw", "rollouts", "worker")
@@ -128,6 +132,10 @@ def job_name(template: PodTemplate, rollout_id: str) -> str:
     return f"{template.name_prefix}-{rollout_id}"[:63].rstrip("-")
 
 
+def batch_job_name(template: PodTemplate, batch_id: str) -> str:
+    return f"{template.name_prefix}-batch-{batch_id}"[:63].rstrip("-")
+
+
 def run_selector(run_id: str) -> str:
     return f"{MANAGED_BY}={MANAGER},{RUN_LABEL}={run_id}"
 
@@ -139,18 +147,33 @@ def rollout_labels(template: PodTemplate, run_id: str, rollout_id: str | None = 
     return labels
 
 
-def active_deadline_s(template: PodTemplate, timeout_s: float | None) -> int | None:
-    return None if timeout_s is None else max(1, math.ceil(timeout_s + template.startup_grace_s))
+def active_deadline_s(template: PodTemplate, timeout_s: float | None, count: int = 1) -> int | None:
+    """A Job's deadline: `count` timeouts (a batch's `batch_rounds`) plus the start-up grace."""
+    return None if timeout_s is None else max(1, math.ceil(count * timeout_s + template.startup_grace_s))
 
 
-def _env(template: PodTemplate, job: RolloutJob, agent_ref: str) -> list[dict[str, Any]]:
-    rewards = job.rewards
-    if rewards is not None and not isinstance(rewards, str):
-        raise ValueError("the k8s backend takes the reward configuration as a file path, present at the same "
-                         "path in the pod (a ConfigMap mount), not a RewardConfig object")
-    payload = json.dumps({**asdict(job), "store_url": None}, separators=(",", ":"))
+def batch_rounds(count: int, concurrency: int) -> int:
+    """Timeouts a batch of `count` rollouts can take, `concurrency` at a time, each starting as a slot
+    frees: the last one starts after at most (count - 1) / concurrency timeouts and runs one more."""
+    return 1 + -(-(count - 1) // concurrency)
+
+
+def jobs_payload(jobs: list[RolloutJob]) -> str:
+    """What a pod's env carries: one job as a JSON object, a batch as a JSON list (no store URL:
+    the pod has its own)."""
+    for job in jobs:
+        if job.rewards is not None and not isinstance(job.rewards, str):
+            raise ValueError("the k8s backend takes the reward configuration as a file path, present at the same "
+                             "path in the pod (a ConfigMap mount), not a RewardConfig object")
+    items = [{**asdict(job), "store_url": None} for job in jobs]
+    return json.dumps(items[0] if len(items) == 1 else items, separators=(",", ":"))
+
+
+def _env(template: PodTemplate, jobs: list[RolloutJob], agent_ref: str) -> list[dict[str, Any]]:
+    job = jobs[0]
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in template.env.items()]
-    env += [{"name": ENV_AGENT, "value": agent_ref}, {"name": ENV_JOB, "value": payload}]
+    env += [{"name": ENV_AGENT, "value": agent_ref},
+            {"name": ENV_JOB if len(jobs) == 1 else ENV_JOBS, "value": jobs_payload(jobs)}]
     if template.store_url_secret is not None:
         name, key = template.store_url_secret
         env.append({"name": ENV_STORE, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
@@ -184,8 +207,32 @@ def job_manifest(template: PodTemplate, job: RolloutJob, *, run_id: str, agent_r
     """The batch/v1 Job for one rollout: backoffLimit 0 (retries are the controller's), a deadline
     from the rollout timeout, cleaned up `ttl_seconds_after_finished` after it ends."""
     labels = rollout_labels(template, run_id, job.rollout_id)
+    meta = {"name": job_name(template, job.rollout_id), "namespace": template.namespace, "labels": labels,
+            "annotations": {TASK_ANNOTATION: job.task_id}}
+    return _manifest(template, [job], meta, agent_ref)
+
+
+def batch_manifest(template: PodTemplate, jobs: list[RolloutJob], *, run_id: str, batch_id: str,
+                   agent_ref: str, concurrency: int = 1) -> dict[str, Any]:
+    """The Job for a batch of rollouts run in one pod, `concurrency` at a time (in order): labelled by
+    the batch, its rollout and task ids annotated (JSON lists, in run order), the deadline what its
+    rollouts take at most (batch_rounds timeouts)."""
+    labels = {**rollout_labels(template, run_id), BATCH_LABEL: batch_id}
+    annotations = {ROLLOUTS_ANNOTATION: json.dumps([j.rollout_id for j in jobs]),
+                   TASK_ANNOTATION: json.dumps([j.task_id for j in jobs])}
+    meta = {"name": batch_job_name(template, batch_id), "namespace": template.namespace, "labels": labels,
+            "annotations": annotations}
+    return _manifest(template, jobs, meta, agent_ref, concurrency)
+
+
+def _manifest(template: PodTemplate, jobs: list[RolloutJob], meta: dict[str, Any], agent_ref: str,
+              concurrency: int = 1) -> dict[str, Any]:
+    labels = meta["labels"]
+    env = _env(template, jobs, agent_ref)
+    if concurrency > 1:
+        env.append({"name": ENV_CONCURRENCY, "value": str(concurrency)})
     container: dict[str, Any] = {"name": "rollout", "image": template.image, "command": list(template.command),
-                                 "env": _env(template, job, agent_ref),
+                                 "env": env,
                                  "terminationMessagePath": "/dev/termination-log",
                                  "terminationMessagePolicy": "FallbackToLogsOnError"}
     if template.resources:
@@ -201,11 +248,11 @@ def job_manifest(template: PodTemplate, job: RolloutJob, *, run_id: str, agent_r
         _sandboxed(pod, container, template.sandbox)
     spec: dict[str, Any] = {"backoffLimit": 0, "ttlSecondsAfterFinished": template.ttl_seconds_after_finished,
                             "template": {"metadata": {"labels": labels}, "spec": pod}}
-    deadline = active_deadline_s(template, job.timeout_s)
+    timeouts = [j.timeout_s for j in jobs]
+    deadline = None if None in timeouts else active_deadline_s(template, max(t or 0.0 for t in timeouts),
+                                                               batch_rounds(len(jobs), concurrency))
     if deadline is not None:
         spec["activeDeadlineSeconds"] = deadline
-    meta = {"name": job_name(template, job.rollout_id), "namespace": template.namespace, "labels": labels,
-            "annotations": {TASK_ANNOTATION: job.task_id}}
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": spec}
 
 
