@@ -255,11 +255,7 @@ def _model(data: Any) -> RewardModelConfig | None:
         return None
     if isinstance(data, RewardModelConfig):
         return data
-    if not isinstance(data, Mapping):
-        raise ConfigError("[reward_model] must be a table")
-    unknown = set(data) - _MODEL_KEYS
-    if unknown:
-        raise ConfigError(f"[reward_model] has unknown keys {sorted(unknown)} (known: {sorted(_MODEL_KEYS)})")
+    data = _table(data, "reward_model", _MODEL_KEYS)
     kw = dict(data)
     for key in ("weight", "max_score", "scale", "offset", "timeout_s"):
         if key in kw:
@@ -275,14 +271,20 @@ def _model(data: Any) -> RewardModelConfig | None:
     return cfg
 
 
+def _table(data: Any, name: str, known: set[str]) -> Mapping[str, Any]:
+    """A [name] section checked for its shape and its keys: a ConfigError names what is wrong."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"[{name}] must be a table")
+    unknown = set(data) - known
+    if unknown:
+        raise ConfigError(f"[{name}] has unknown keys {sorted(unknown)} (known: {sorted(known)})")
+    return data
+
+
 def _rank_judge(data: Any) -> RankJudgeConfig | None:
     if data is None or isinstance(data, RankJudgeConfig):
         return data
-    if not isinstance(data, Mapping):
-        raise ConfigError("[rank_judge] must be a table")
-    unknown = set(data) - _RANK_KEYS
-    if unknown:
-        raise ConfigError(f"[rank_judge] has unknown keys {sorted(unknown)} (known: {sorted(_RANK_KEYS)})")
+    data = _table(data, "rank_judge", _RANK_KEYS)
     kw = dict(data)
     for key in ("weight", "timeout_s"):
         if key in kw:
@@ -295,11 +297,7 @@ def _rank_judge(data: Any) -> RankJudgeConfig | None:
 def _human(data: Any) -> HumanConfig | None:
     if data is None or isinstance(data, HumanConfig):
         return data
-    if not isinstance(data, Mapping):
-        raise ConfigError("[human] must be a table")
-    unknown = set(data) - _HUMAN_KEYS
-    if unknown:
-        raise ConfigError(f"[human] has unknown keys {sorted(unknown)} (known: {sorted(_HUMAN_KEYS)})")
+    data = _table(data, "human", _HUMAN_KEYS)
     interval = data.get("interval", 0)
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
         raise ConfigError(f"human.interval must be a whole number >= 0, got {interval!r}")

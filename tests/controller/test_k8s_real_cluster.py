@@ -27,11 +27,17 @@ def _env(name: str) -> str:
     return value
 
 
-def test_rollouts_and_failures_on_a_real_cluster() -> None:
+def _cluster() -> tuple[TraceStore, str, str]:
+    """The store, the namespace and the store's URL as the pods reach it, from the environment."""
     pytest.importorskip("kubernetes")
     store = TraceStore(_env("LIGHTNING_TEST_K8S_STORE"))
     ns = os.environ.get("LIGHTNING_TEST_K8S_NAMESPACE", "default")
     pod_store = os.environ.get("LIGHTNING_TEST_K8S_POD_STORE") or store.url.render_as_string(hide_password=False)
+    return store, ns, pod_store
+
+
+def test_rollouts_and_failures_on_a_real_cluster() -> None:
+    store, ns, pod_store = _cluster()
     good = PodTemplate(image=_env("LIGHTNING_TEST_K8S_IMAGE"), namespace=ns, store_url=pod_store,
                        image_pull_policy="IfNotPresent", resources={"limits": {"memory": "512Mi"}},
                        startup_grace_s=120)
@@ -56,10 +62,7 @@ def test_rollouts_and_failures_on_a_real_cluster() -> None:
 
 
 def test_several_rollouts_per_job_on_a_real_cluster() -> None:
-    pytest.importorskip("kubernetes")
-    store = TraceStore(_env("LIGHTNING_TEST_K8S_STORE"))
-    ns = os.environ.get("LIGHTNING_TEST_K8S_NAMESPACE", "default")
-    pod_store = os.environ.get("LIGHTNING_TEST_K8S_POD_STORE") or store.url.render_as_string(hide_password=False)
+    store, ns, pod_store = _cluster()
     good = PodTemplate(image=_env("LIGHTNING_TEST_K8S_IMAGE"), namespace=ns, store_url=pod_store,
                        image_pull_policy="IfNotPresent", startup_grace_s=120)
     backend = KubernetesBackend(good, rollouts_per_job=4, batch_linger_s=1.0)
