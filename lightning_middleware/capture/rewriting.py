@@ -86,8 +86,8 @@ class EventRewriter:
                 return event + b"\n\n"
             strip_added(chunk, self._added)
             out = _dumps(chunk)
-            if out is not None:
-                return b"data: " + out + b"\n\n"
+            if out is not None:  # whitespace after the JSON (an odd blank line) is the server's: kept
+                return b"data: " + out + event[len(event.rstrip()):] + b"\n\n"
         return event + b"\n\n"
 
     def finish(self) -> bytes:

@@ -328,6 +328,8 @@ def raw_post(client: httpx.Client, stream: bool) -> tuple[int, bytes]:
 @given(scripted=broken_answers(), stream=st.booleans())
 @example(scripted=Scripted(200, JSON_CT, (b'{"choices": 5}',)), stream=False)  # found: a TypeError raised
 @example(scripted=Scripted(200, SSE_CT, (b'data: {"choices": 5}\n\n',)), stream=True)  # into the agent
+@example(scripted=Scripted(200, SSE_CT, (b'data: {"a": 1}\n\ndata: {"b": 2}\n\n\n', b'\n\n\n\x00\n\ndata: {}')),
+         stream=False)  # found: the rewritten event lost the odd newline after its JSON
 def test_a_wrapped_httpx_client_gets_the_servers_bytes(store: TraceStore, scripted: Scripted, stream: bool) -> None:
     tried("wrap: broken answers to a bare httpx client, injection on")
     expected = outcome(lambda: raw_post(httpx.Client(transport=httpx.MockTransport(scripted.handler(httpx))), stream))
