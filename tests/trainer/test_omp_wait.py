@@ -38,6 +38,7 @@ def test_torch_imported_first_keeps_libgomps_default() -> None:
 
 def test_the_users_wait_policy_wins() -> None:
     assert _gomp_spincount("import trainer_backend.engines.torch_engine", OMP_WAIT_POLICY="ACTIVE") != "0"
+    assert _gomp_spincount("import trainer_backend.engines.torch_engine", GOMP_SPINCOUNT="10000") == "10000"
 
 
 def test_the_vllm_server_does_not_inherit_our_default(tmp_path: Path) -> None:
