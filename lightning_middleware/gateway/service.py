@@ -58,6 +58,7 @@ from lightning_middleware.gateway.registry import RolloutEntry, RolloutRegistry
 from lightning_middleware.gateway.replay import Cached, Flight, ReplayCache, is_retry
 from lightning_middleware.gateway.requests import Receive, parse_object, receive_body
 from lightning_middleware.gateway.responses import Full, Scope, Send, StreamResponse, bind_socket
+from lightning_middleware.gateway.reward_keys import RewardKeys
 from lightning_middleware.gateway.translation import TranslatedCall, in_format, translate_call
 from lightning_middleware.gateway.upstreams import Upstream, UpstreamPool
 from lightning_middleware.records import new_id
@@ -137,6 +138,7 @@ class Gateway:
         scorer = rewards if isinstance(rewards, Scorer) or rewards is None else Scorer(
             rewards if isinstance(rewards, RewardConfig) else load_config(rewards))
         self.rollouts = RolloutRegistry(self.store, finish_wait_s=upstream_timeout_s, scorer=scorer)
+        self.reward_keys = RewardKeys(self.rollouts, ttl_s=idempotency_ttl_s)
         if policy_version is None:  # continue from the newest checkpoint the trainer recorded
             try:
                 policy_version = self.store.latest_policy_version()
