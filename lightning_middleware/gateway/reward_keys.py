@@ -41,8 +41,13 @@ def reward_answer(reward: Reward, applied: bool) -> dict[str, Any]:
             "applied": applied}
 
 
-def _same_reward(a: Reward, b: Reward) -> bool:
-    return (a.value, a.name, a.final, a.call_index, a.agent) == (b.value, b.name, b.final, b.call_index, b.agent)
+def _what(reward: Reward) -> tuple[Any, ...]:
+    """What makes two requests under one key the same reward (its metadata may differ)."""
+    return reward.value, reward.name, reward.final, reward.call_index, reward.agent
+
+
+def _digest(reward: Reward) -> str:
+    return hashlib.sha256(json.dumps(_what(reward)).encode()).hexdigest()
 
 
 class RewardKeys:
@@ -64,7 +69,7 @@ class RewardKeys:
         if not key.strip() or len(key) > MAX_KEY_CHARS:
             raise HTTPError(400, f"an Idempotency-Key is 1 to {MAX_KEY_CHARS} visible characters",
                             code="bad_idempotency_key", param="Idempotency-Key")
-        digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+        digest = _digest(self.registry.reward_for(rollout_id, body))  # a bad body is a 400 here, before any claim
         cache_key = ("reward", rollout_id, key)
         claimed = await self.cache.claim(cache_key, self.ttl_s, digest)
         if isinstance(claimed, Cached):
@@ -86,7 +91,7 @@ class RewardKeys:
             return reward_answer(reward, applied), False
         first = earlier[0]
         asked = self.registry.reward_for(rollout_id, body)
-        if not _same_reward(first, asked):
+        if _what(first) != _what(asked):
             raise HTTPError(409, "Idempotency-Key reused with a different reward", code="idempotency_conflict",
                             param="Idempotency-Key")
         return reward_answer(first, False), True

@@ -43,7 +43,7 @@ def test_two_rollouts_with_their_own_maps_through_one_gateway(llm_server: LLMTes
     with Gateway([llm_server.base_url], store, health_interval_s=0, policies=GATEWAY_WIDE,
                  default_policy="gw-base") as gw, GatewayClient(gw.url) as client:
         made_a = client.create_rollout("team", rollout_id=a, policies={"coder": "a-coder"}, default_policy="a-base")
-        made_b = client.create_rollout("team", rollout_id=b, policies={"coder": "b-coder", "reviewer": "b-rev"})
+        client.create_rollout("team", rollout_id=b, policies={"coder": "b-coder", "reviewer": "b-rev"})
         assert (made_a["policies"], made_a["default_policy"]) == ({"coder": "a-coder"}, "a-base")
         assert client.get_rollout(b)["policies"] == {"coder": "b-coder", "reviewer": "b-rev"}
         url_a = gw.rollout_base_url(a)
