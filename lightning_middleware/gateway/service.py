@@ -26,10 +26,13 @@ HTTP surface (see docs/gateway.md):
 Training safety: an `Idempotency-Key` request header replays the stored response
 (one upstream call, one training call), and identical bodies resent within a
 rollout while the first is in flight or within `retry_window_s` after it
-succeeded are answered from the first (a client's retry storm stays one call).
+succeeded are answered from the first (a client's retry storm stays one call). A reward POST
+with an `Idempotency-Key` is stored once (`reward_keys`); a rollout may carry its own
+agent -> policy map (`rollout_policies`).
 
 The parts, one module each: `admission` (the pause gate), `upstreams` (replica choice and
 health), `replay` (retries answered from the first call), `registry` (rollouts over HTTP),
+`rollout_policies`, `reward_keys`, `client` (`GatewayClient`),
 `requests`/`responses` (raw ASGI), `translation` (other formats as chat completions), `errors`,
 `auth`, `app` (routes), `cli`. Heavy imports
 (starlette, uvicorn, aiohttp) happen inside functions: registering the CLI stays cheap.
