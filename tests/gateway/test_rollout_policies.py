@@ -127,3 +127,20 @@ def test_a_restarted_gateway_routes_an_open_rollout_the_same(llm_server: LLMTest
     calls = store.calls(rid)
     assert [(c.call_index, c.model) for c in calls] == [(0, "coder-lora"), (1, "base-lora"), (2, "coder-lora"),
                                                         (3, "base-lora")]
+
+
+def test_a_translated_call_follows_its_rollouts_map(llm_server: LLMTestServer, tmp_path) -> None:
+    """A Responses API call of the rollout is sent as chat completions under the map's model name."""
+    store = TraceStore(f"sqlite:///{tmp_path / 'fmt.db'}")
+    rid = _rid()
+    with Gateway([llm_server.base_url], store, health_interval_s=0) as gw, GatewayClient(gw.url) as client:
+        client.create_rollout("t", rollout_id=rid, policies={"coder": "coder-lora"})
+        sdk = openai.OpenAI(base_url=gw.rollout_base_url(rid), api_key="unused", max_retries=0,
+                            default_headers={"x-agent-name": "coder"})
+        assert sdk.responses.create(model="as-written", input="hi", max_output_tokens=8).output_text
+        client.finish(rid)
+    [call] = store.calls(rid)
+    assert (call.model, call.request["model"], call.source_request["model"]) == ("coder-lora", "coder-lora",
+                                                                                 "as-written")
+    assert call.is_training
+    store.close()
