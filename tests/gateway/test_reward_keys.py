@@ -1,7 +1,8 @@
 """A retried reward POST stores its reward once (issue 20): the `Idempotency-Key` header on
 `POST /rollouts/{id}/reward`, kept with the reward in the store, and `GatewayClient` sending one
 key per logical reward on every retry. Real uvicorn gateways, the real test LLM server, SQLite
-and PostgreSQL; the lost answer is a real HTTP exchange whose response is thrown away."""
+and PostgreSQL; the lost answer is a real HTTP exchange whose response is thrown away (by an
+httpx transport, and by a TCP proxy that closes the client's socket instead of answering)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from lightning_middleware import TraceStore
 from lightning_middleware.gateway import REPLAY_HEADER, Gateway, GatewayClient
 from lightning_middleware.testing import LLMTestServer
+from tests.gateway.drop_proxy import DropFirstAnswerProxy
 
 
 def _rid() -> str:
@@ -119,6 +121,17 @@ def test_the_client_retries_a_lost_answer_with_the_same_key(gw: Gateway, store: 
     stored = store.rewards_for([rid])[rid]
     assert [(r.value, r.agent) for r in stored] == [(1.0, "coder"), (0.5, None)]
     assert len({r.metadata["idempotency_key"] for r in stored}) == 2
+
+
+def test_the_client_retries_through_a_proxy_that_drops_the_answer(gw: Gateway, store: TraceStore) -> None:
+    """The same over a real TCP proxy: the gateway answered, the proxy closed the client's socket."""
+    with DropFirstAnswerProxy(gw.port) as proxy, GatewayClient(proxy.url, backoff_s=0.01) as client:
+        rid = client.create_rollout("t")["id"]
+        assert client.reward(rid, 0.25, agent="reviewer")["value"] == 0.25
+        client.finish(rid, reward=1.0)
+    assert proxy.dropped == 1 and proxy.passed == 3  # create, the reward's retry, finish
+    stored = store.rewards_for([rid])[rid]
+    assert [(r.value, r.agent) for r in stored] == [(0.25, "reviewer"), (1.0, None)]
 
 
 def test_without_a_key_a_lost_answer_is_stored_twice(gw: Gateway, store: TraceStore) -> None:
