@@ -73,13 +73,15 @@ class GatewayClient:
             body["policies"] = dict(policies)
         return self._post("/rollouts", body)
 
-    def reward(self, rollout_id: str, value: float, *, name: str | None = None, final: bool = True,
+    def reward(self, rollout_id: str, value: float, *, name: str | None = None, final: bool | None = None,
                agent: str | None = None, call_index: int | None = None,
                metadata: Mapping[str, Any] | None = None, key: str | None = None) -> dict[str, Any]:
         """Store one reward, once however many attempts it takes (`key`: the Idempotency-Key;
-        by default a new one per call of this method)."""
-        body: dict[str, Any] = {"value": value, "final": final}
-        for field, given in (("name", name), ("agent", agent), ("call_index", call_index), ("metadata", metadata)):
+        by default a new one per call of this method). `final` unset: the gateway's rule (final,
+        unless it is a per-step reward with a `call_index`)."""
+        body: dict[str, Any] = {"value": value}
+        for field, given in (("name", name), ("final", final), ("agent", agent), ("call_index", call_index),
+                             ("metadata", metadata)):
             if given is not None:
                 body[field] = given
         return self._post(f"/rollouts/{rollout_id}/reward", body, headers={"idempotency-key": key or uuid.uuid4().hex})

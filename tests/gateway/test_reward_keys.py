@@ -116,11 +116,13 @@ def test_the_client_retries_a_lost_answer_with_the_same_key(gw: Gateway, store: 
         rid = client.create_rollout("t")["id"]
         answer = client.reward(rid, 1.0, agent="coder")
         client.reward(rid, 0.5, name="style", final=False)  # a second logical reward: a key of its own
+        client.reward(rid, 0.1, call_index=0)  # a per-step reward: not final by the gateway's rule
         client.finish(rid)
     assert lossy.lost == 1 and answer["value"] == 1.0
     stored = store.rewards_for([rid])[rid]
-    assert [(r.value, r.agent) for r in stored] == [(1.0, "coder"), (0.5, None)]
-    assert len({r.metadata["idempotency_key"] for r in stored}) == 2
+    assert [(r.value, r.agent, r.final) for r in stored] == [(1.0, "coder", True), (0.5, None, False),
+                                                             (0.1, None, False)]
+    assert len({r.metadata["idempotency_key"] for r in stored}) == 3
 
 
 def test_the_client_retries_through_a_proxy_that_drops_the_answer(gw: Gateway, store: TraceStore) -> None:
