@@ -71,6 +71,10 @@ from lightning_middleware.store import TraceStore, get_store
 log = logging.getLogger(__name__)
 
 REPLAY_HEADER = "x-lightning-replayed"
+# uvicorn closes an idle connection after 5 s by default, the very moment httpx's pool (expiry 5 s)
+# may reuse it: the request then dies as a ReadError before the gateway reads it, so it is never
+# recorded. Idle connections stay open longer than clients keep them (nginx's default, 75 s).
+KEEP_ALIVE_S = 75
 
 
 class Gateway:
@@ -101,6 +105,7 @@ class Gateway:
         retry_window_s: float = 30.0,
         idempotency_ttl_s: float = 3600.0,
         max_cached_responses: int = 1024,
+        keep_alive_s: int = KEEP_ALIVE_S,
         record_unattached: bool = True,
         policy_version: int | None = None,
         translate: bool = True,
@@ -128,6 +133,7 @@ class Gateway:
         self.host, self.port, self.token = host, port, token
         self.upstream_api_key = upstream_api_key
         self.max_body_bytes, self.max_header_bytes = max_body_bytes, max_header_bytes
+        self.keep_alive_s = keep_alive_s
         self.connect_timeout_s, self.upstream_timeout_s = connect_timeout_s, upstream_timeout_s
         self.health_interval_s = health_interval_s
         self.record_unattached = record_unattached
@@ -207,7 +213,7 @@ class Gateway:
         sock = bind_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, timeout_keep_alive=self.keep_alive_s)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="lightning-gateway", daemon=True)
