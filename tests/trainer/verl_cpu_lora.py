@@ -2,6 +2,7 @@
 process, for tests/trainer/test_engine_verl_lora.py; the CPU set-up of verl_cpu_actor.py. Not for production.
 
     python tests/trainer/verl_cpu_lora.py MODEL_DIR ADAPTER_DIR ROWS.pt OUT_DIR
+    python tests/trainer/verl_cpu_lora.py train MODEL_DIR ROWS.pt OUT_DIR STEPS LR RANK
 
 Runs `VerlEngine` (its own __init__/step/save, the worker built in this process) four ways and
 writes what the test compares to OUT_DIR/out.pt:
@@ -11,10 +12,13 @@ writes what the test compares to OUT_DIR/out.pt:
   resume     AdamW from ADAPTER_DIR: step, save to OUT_DIR/c1, step (the continuous run); then an
              engine resumed from OUT_DIR/c1 takes the same second step, and one from a copy of it
              without verl's state (a fresh optimizer) too.
+`train` (tests/serving/test_lora_serving.py): a new adapter saved to OUT_DIR/v0, STEPS AdamW steps
+on ROWS, saved to OUT_DIR/v1: what the trainer publishes to vLLM.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -97,7 +101,23 @@ def resume(adapter_dir: Path, rows: list, out: Path) -> dict:
             "no_state_flag": no_state.resumed}
 
 
+def train(model_dir: Path, rows: list, out: Path, steps: int, lr: float, rank: int) -> None:
+    cfg = dataclasses.replace(config("AdamW", lr), lora=AdapterConfig(rank=rank))
+    eng = engine(model_dir, cfg, out)
+    eng.save(out / "v0")
+    for _ in range(steps):
+        eng.step(rows)
+    eng.save(out / "v1")
+
+
 def main() -> None:
+    if sys.argv[1] == "train":
+        start_cpu_process_group()
+        model_dir, rows_path, out_dir = (Path(a) for a in sys.argv[2:5])
+        train(model_dir, torch.load(rows_path, weights_only=False), out_dir, int(sys.argv[5]), float(sys.argv[6]),
+              int(sys.argv[7]))
+        torch.distributed.destroy_process_group()
+        return
     model_dir, adapter_dir, rows_path, out_dir = (Path(a) for a in sys.argv[1:5])
     start_cpu_process_group()
     rows = torch.load(rows_path, weights_only=False)
