@@ -95,6 +95,18 @@ def test_our_lora_maps_onto_verls_own_config_keys(model_dir, adapter_dir):
         build_actor_config(model_dir, VerlEngineConfig(lora=lora.AdapterConfig(dropout=0.1)))
 
 
+def test_verls_state_resumes_only_on_the_world_size_it_was_saved_on(tmp_path, caplog):
+    from trainer_backend.engines import verl_lora
+
+    assert verl_lora.resumable_state(tmp_path, 1) is None  # no state: a new optimizer, silently
+    (tmp_path / "verl_state").mkdir()
+    (tmp_path / "verl_state" / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 2}))
+    assert verl_lora.resumable_state(tmp_path, 2) == tmp_path / "verl_state"
+    with caplog.at_level("WARNING"):
+        assert verl_lora.resumable_state(tmp_path, 4) is None  # the shards are per rank: they do not fit
+    assert "saved on 2 ranks" in caplog.text and "optimizer starts fresh" in caplog.text
+
+
 # ---------------------------------------------------------------- verl's actor with LoRA
 
 
