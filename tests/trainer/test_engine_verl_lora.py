@@ -110,6 +110,7 @@ def test_verls_state_resumes_only_on_the_world_size_it_was_saved_on(tmp_path, ca
 # ---------------------------------------------------------------- verl's actor with LoRA
 
 
+@pytest.mark.slow
 def test_only_the_adapter_trains_and_the_base_stays_bit_identical(verl_run):
     out, _ = verl_run
     step = out["same_init"]
@@ -120,6 +121,7 @@ def test_only_the_adapter_trains_and_the_base_stays_bit_identical(verl_run):
     assert out["fresh"]["b_zero_at_start"]  # verl's get_peft_model: peft's init, B = 0 (the base exactly)
 
 
+@pytest.mark.slow
 def test_loss_and_gradient_equal_the_torch_engines_lora(verl_run, adapter_dir, rows):
     """Same adapter, same rows, SGD lr 1 on both (the change is minus the gradient). Tolerance: loss 1e-6,
     gradients atol 1e-5 / rtol 1e-4, as for full weights: both are fp32 with the same math, but verl sums
@@ -139,6 +141,7 @@ def test_loss_and_gradient_equal_the_torch_engines_lora(verl_run, adapter_dir, r
     assert min(float(g.abs().max()) for g in t_grads.values()) > 0  # A and B both get gradients (B != 0)
 
 
+@pytest.mark.slow
 def test_the_published_adapter_loads_with_peft_and_changes_greedy_output(verl_run, model_dir, tmp_path):
     out, run_dir = verl_run
     fresh = run_dir / "fresh"
@@ -165,6 +168,7 @@ def test_the_published_adapter_loads_with_peft_and_changes_greedy_output(verl_ru
     assert TorchEngine(fresh, TorchEngineConfig(precision="fp32")).is_lora
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_adapter_and_the_optimizer_state(verl_run):
     res = verl_run[0]["resume"]
     assert res["resumed_flag"] and not res["no_state_flag"]
