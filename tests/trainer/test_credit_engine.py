@@ -164,7 +164,7 @@ def test_ppo_per_step_rewards_change_gae_and_stay_exact_across_micro_batches(mod
 
 def test_dataproto_carries_per_token_advantages():
     pytest.importorskip("verl")
-    from trainer_backend.engines.verl_engine import dataproto_to_rows, rows_to_dataproto, split_point
+    from trainer_backend.engines.verl_rows import dataproto_to_rows, rows_to_dataproto, split_point
 
     rows = per_turn_rows()
     data = rows_to_dataproto(rows)

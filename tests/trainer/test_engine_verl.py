@@ -25,16 +25,13 @@ from tests.trainer.tiny_models import save_tiny_qwen2  # noqa: E402
 from trainer_backend.algorithms.grpo import LossConfig, loss_weights  # noqa: E402
 from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 from trainer_backend.engines.verl_engine import (  # noqa: E402
-    LOSS_MODE,
-    LOSS_MODE_DUAL,
     VERL_VERSION,
     VerlEngineConfig,
     build_actor_config,
     check_verl_version,
-    dataproto_to_rows,
-    rows_to_dataproto,
-    split_point,
 )
+from trainer_backend.engines.verl_loss import LOSS_MODE, LOSS_MODE_DUAL  # noqa: E402
+from trainer_backend.engines.verl_rows import dataproto_to_rows, rows_to_dataproto, split_point  # noqa: E402
 
 VOCAB = 48
 
@@ -331,6 +328,10 @@ def test_verl_engine_refuses_cpu(model_dir):
                               "--bf16", "--micro-batch-tokens", "4096"])
     with pytest.raises(RuntimeError, match="GPU"):
         make_engine(settings_from(args), model_dir, 0)
+    lora_args = parser.parse_args(["trainer", "--store", "sqlite:///x.db", "--model", str(model_dir),
+                                   "--engine", "verl", "--lora-rank", "8"])
+    with pytest.raises(RuntimeError, match="GPU"):  # the settings accept one LoRA policy on verl
+        make_engine(settings_from(lora_args), model_dir, 0)
 
 
 # ---------------------------------------------------------------- VerlEngine.step's driver logic, worker group faked
