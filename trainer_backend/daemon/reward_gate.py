@@ -9,7 +9,9 @@ version to train on, which components to wait for, and the per-step hacking rate
   arrives (it is then used: the late reward is combined into the final one) or its deadline
   passes; then `on_deadline` trains without it ("train_without", counted per step as
   `rewards_trained_without_<name>`) or skips the rollout ("skip", counted as
-  `skipped_late_<name>`). `rewards_waiting` is how many rollouts were waiting at the step.
+  `skipped_late_<name>`). `rewards_waiting` is how many rollouts were waiting at the step. A
+  per-call component (its rewards carry a call index) is in when every trained call it applies
+  to has one (the calls of the agents its rewards name, else all), not at the first call's.
 - `config`: a reward configuration (a `RewardConfig` or its file): a ready group with a member
   that has no final reward (nor ranking) under it is scored by the daemon just before it
   trains, a ranking judge (`[rank_judge]`) ranking the group once (rollouts scored as they end
@@ -17,7 +19,14 @@ version to train on, which components to wait for, and the per-step hacking rate
   configuration's version. Per step: `rank_judge_groups` (ranked), `rank_judge_failed` (no
   ranking: the judge failed or its answers were never readable; with on_error "drop" those
   rollouts are skipped, counted as `rank_judge_failed`), `rank_judge_groups_of_one`,
-  `rank_judge_unparseable` (answers that could not be read, retried or not).
+  `rank_judge_unparseable` (answers that could not be read, retried or not), `reward_judge_s`
+  (seconds spent scoring groups since the last step: the ready groups of a collect are ranked
+  together, `rank_judge.concurrency` at a time, each within `rank_judge.deadline_s`).
+- Without `config`, a rollout whose ranking is pending under a configuration (a
+  `reward_pending` reward: scored as it ended, e.g. by wrap() or the gateway) cannot be ranked
+  here: its group is held (not skipped as `no_reward`, which would consume it), one warning and
+  one `rewards_pending` event per configuration name the fix, and `rewards_pending_rank_judge`
+  counts the rollouts held at the step. A rescore (or a restart with `config`) releases them.
 - Guards: every stored guard verdict (a component whose source is "guard") of the batch gives
   `guard_<name>_rate` (rollouts where it fired) and `hacking_rate` (any guard fired).
 """
