@@ -68,7 +68,8 @@ def test_a_ranking_the_trainer_cannot_do_is_held_loudly_until_it_is_done(llm_ser
         assert "8 rollouts" in warning and cfg.hash in warning and "rank_judge" in warning
         assert "--reward-config FILE" in warning and "lightning-mw rewards rescore" in warning
         [event] = store.events(kind="rewards_pending")
-        assert event.source == "trainer-0" and event.data == {"config_hash": cfg.hash, "pending": ["rank_judge"], "rollouts": 8}
+        assert event.source == "trainer-0"
+        assert event.data == {"config_hash": cfg.hash, "pending": ["rank_judge"], "rollouts": 8}
         # told to train on that version, but without the configuration: held the same way
         groups = [store.query_rollouts(task_id=t) for t in TASKS]
         assert RewardGate(store, RewardPolicy(version=cfg.hash)).review_groups(groups) == [None, None]
