@@ -26,7 +26,7 @@ from trainer_backend.daemon.reward_gate import RewardGate, RewardPolicy  # noqa:
 
 model_dir = test_daemon.model_dir  # the same tiny byte-level model (a module-scoped fixture)
 
-TASKS = {"a": [1, 0, 1, 0], "b": [0, 0, 1, 1]}
+TASKS: dict[str, list[float]] = {"a": [1, 0, 1, 0], "b": [0, 0, 1, 1]}
 
 
 def _in_order(body: dict[str, Any]) -> str:
