@@ -145,3 +145,34 @@ def test_a_per_call_component_past_its_deadline_trains_without_the_rest(llm_serv
     result = daemon.step_once()
     assert result is not None
     assert result.metrics["rewards_trained_without_step_judge"] == 8 and result.metrics["step_rewards_used"] == 8
+
+
+def test_a_per_call_component_of_one_agent_waits_for_that_agents_calls(llm_server, store: TraceStore) -> None:
+    from lightning_middleware import agent_scope
+
+    client = wrap(openai.OpenAI(base_url=llm_server.base_url, api_key="x"), store=store)
+    for i in range(2):
+        with rollout("review", store=store) as r:
+            for agent in ("coder", "reviewer", "reviewer"):  # calls 0, 1, 2
+                with agent_scope(agent):
+                    client.chat.completions.create(model="m", messages=[{"role": "user", "content": agent}],
+                                                   max_tokens=8)
+            r.reward(float(i))
+    group = store.query_rollouts(task_id="review")
+    by_agent = RewardGate(store, RewardPolicy(wait_for={"review_judge": 3600}))
+    every_turn = RewardGate(store, RewardPolicy(wait_for={"turn_judge": 3600}))
+    for r in group:  # the reviewer's judge scored the reviewer's first call; a judge of every turn, call 2
+        store.add_reward(Reward(r.id, 1.0, name="review_judge", final=False, call_index=1, agent="reviewer"))
+        store.add_reward(Reward(r.id, 1.0, name="turn_judge", final=False, call_index=2))
+    assert by_agent.review_groups([group]) == [None] and every_turn.review_groups([group]) == [None]
+    for r in group:  # the reviewer's last call: review_judge is in (the coder's call is none of its business)
+        store.add_reward(Reward(r.id, 1.0, name="review_judge", final=False, call_index=2, agent="reviewer"))
+    [reviewed] = by_agent.review_groups([group])
+    assert reviewed is not None and len(reviewed) == 2
+    assert by_agent.step_metrics(reviewed)["rewards_waiting"] == 0
+    assert every_turn.review_groups([group]) == [None]  # turn_judge still lacks calls 0 and 1
+    for r in group:
+        for k in (0, 1):
+            store.add_reward(Reward(r.id, 0.5, name="turn_judge", final=False, call_index=k))
+    [reviewed] = every_turn.review_groups([group])
+    assert reviewed is not None and every_turn.step_metrics(reviewed)["rewards_waiting"] == 0
