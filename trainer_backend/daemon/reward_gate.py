@@ -90,7 +90,7 @@ class RewardGate:
         self.reasons: dict[str, str] = {}  # rollout id -> why it has no reward to train on
         self._without: dict[str, list[str]] = {}  # rollout id -> components it trains without
         self._waiting: set[str] = set()
-        self._held: dict[str, tuple[str, ...]] = {}  # rollout id -> components pending a ranking not done here
+        self._held: dict[str, tuple[str, ...]] = {}  # rollout id -> (config hash, components pending here)
         self._warned: set[str] = set()  # configuration hashes whose pending rankings were reported
 
     def _counts(self, r: Reward) -> bool:
