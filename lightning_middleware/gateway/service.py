@@ -26,10 +26,13 @@ HTTP surface (see docs/gateway.md):
 Training safety: an `Idempotency-Key` request header replays the stored response
 (one upstream call, one training call), and identical bodies resent within a
 rollout while the first is in flight or within `retry_window_s` after it
-succeeded are answered from the first (a client's retry storm stays one call).
+succeeded are answered from the first (a client's retry storm stays one call). A reward POST
+with an `Idempotency-Key` is stored once (`reward_keys`); a rollout may carry its own
+agent -> policy map (`rollout_policies`).
 
 The parts, one module each: `admission` (the pause gate), `upstreams` (replica choice and
 health), `replay` (retries answered from the first call), `registry` (rollouts over HTTP),
+`rollout_policies`, `reward_keys`, `client` (`GatewayClient`),
 `requests`/`responses` (raw ASGI), `translation` (other formats as chat completions), `errors`,
 `auth`, `app` (routes), `cli`. Heavy imports
 (starlette, uvicorn, aiohttp) happen inside functions: registering the CLI stays cheap.
@@ -58,6 +61,7 @@ from lightning_middleware.gateway.registry import RolloutEntry, RolloutRegistry
 from lightning_middleware.gateway.replay import Cached, Flight, ReplayCache, is_retry
 from lightning_middleware.gateway.requests import Receive, parse_object, receive_body
 from lightning_middleware.gateway.responses import Full, Scope, Send, StreamResponse, bind_socket
+from lightning_middleware.gateway.reward_keys import RewardKeys
 from lightning_middleware.gateway.translation import TranslatedCall, in_format, translate_call
 from lightning_middleware.gateway.upstreams import Upstream, UpstreamPool
 from lightning_middleware.records import new_id
@@ -137,6 +141,7 @@ class Gateway:
         scorer = rewards if isinstance(rewards, Scorer) or rewards is None else Scorer(
             rewards if isinstance(rewards, RewardConfig) else load_config(rewards))
         self.rollouts = RolloutRegistry(self.store, finish_wait_s=upstream_timeout_s, scorer=scorer)
+        self.reward_keys = RewardKeys(self.rollouts, ttl_s=idempotency_ttl_s)
         if policy_version is None:  # continue from the newest checkpoint the trainer recorded
             try:
                 policy_version = self.store.latest_policy_version()
