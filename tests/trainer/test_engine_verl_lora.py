@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytest.importorskip("verl")
 
-from tests.trainer.test_engine_verl import VOCAB, _perturbed, multi_turn_rows  # noqa: E402
+from tests.trainer.test_engine_verl import VOCAB, multi_turn_rows, perturbed_rows  # noqa: E402
 from tests.trainer.tiny_models import save_tiny_qwen2  # noqa: E402
 from trainer_backend.algorithms.grpo import LossConfig  # noqa: E402
 from trainer_backend.engines import lora  # noqa: E402
@@ -57,7 +57,7 @@ def adapter_dir(model_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def rows(model_dir):
-    return _perturbed(model_dir, multi_turn_rows())
+    return perturbed_rows(model_dir, multi_turn_rows())
 
 
 @pytest.fixture(scope="module")
