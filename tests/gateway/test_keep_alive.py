@@ -29,8 +29,9 @@ def _answer(sock: socket.socket) -> bytes:
         return b""
 
 
-def _idle_then_ask(gw: Gateway, idle_s: float) -> tuple[bytes, bytes]:
-    with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+def idle_then_ask(port: int, idle_s: float) -> tuple[bytes, bytes]:
+    """Two GET /health on one connection, `idle_s` apart: the answers (b"" once it was closed)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         first = _answer(sock)
         time.sleep(idle_s)
         return first, _answer(sock)
@@ -40,13 +41,13 @@ def test_idle_connections_stay_open_longer_than_clients_keep_them(tmp_path: Path
     store = TraceStore(f"sqlite:///{tmp_path / 'gw.db'}")
     try:
         with Gateway(["http://127.0.0.1:1/v1"], store, health_interval_s=0, keep_alive_s=1) as short:
-            first, after_idle = _idle_then_ask(short, 1.6)
+            first, after_idle = idle_then_ask(short.port, 1.6)
         assert first.startswith(b"HTTP/1.1 200"), first
         assert after_idle == b"", "control: a 1 s keep-alive should have closed the idle connection"
 
         with Gateway(["http://127.0.0.1:1/v1"], store, health_interval_s=0) as gw:
             assert gw.keep_alive_s > HTTPX_KEEPALIVE_EXPIRY_S
-            first, after_idle = _idle_then_ask(gw, HTTPX_KEEPALIVE_EXPIRY_S + 1.0)
+            first, after_idle = idle_then_ask(gw.port, HTTPX_KEEPALIVE_EXPIRY_S + 1.0)
         assert first.startswith(b"HTTP/1.1 200"), first
         assert after_idle.startswith(b"HTTP/1.1 200"), after_idle
     finally:
