@@ -152,7 +152,8 @@ def failures_in_store(engine: Any, lines_by_kind: dict[str, list[dict[str, Any]]
         for f in failures:
             if f.get("url", "").startswith("/rollouts/"):
                 f["calls_in_store"] = held.get(f["url"].split("/")[2], 0)  # 2 when the failed call was recorded
-        out[name] = {"errors": final.get("errors", {}), "first_failures": failures}
+        out[name] = {"errors": final.get("errors", {}), "first_failures": failures,
+                     "control_retries": final.get("control_retries", {})}
     return out
 
 

@@ -51,6 +51,7 @@ class Tally:
     window_failed: int = 0
     errors: dict[str, int] = field(default_factory=dict)  # "Class: message" -> count
     failures: list[dict[str, Any]] = field(default_factory=list)  # the first MAX_FAILURES, in detail
+    control_retries: dict[str, int] = field(default_factory=dict)  # rollout create/finish retried, by error
 
     def record(self, seconds: float, ok: bool, error: BaseException | None = None, **where: Any) -> None:
         self.sent += 1
@@ -133,15 +134,30 @@ async def gateway_agent(k: int, http: httpx.AsyncClient, deadline: float, tally:
         task = f"g{os.getpid()}-{k}-{n}"
         for s in range(GROUP_SIZE):
             rid = f"{task}-{s}"
-            (await http.post("/rollouts", json={"task_id": task, "id": rid})).raise_for_status()
+            await _control(http, "/rollouts", {"task_id": task, "id": rid}, tally)
             base = f"/rollouts/{rid}/v1/chat/completions"
             answer = await _gateway_call(http, base, messages(task, s), tally, stream=False)
             await asyncio.sleep(think_s)
             await _gateway_call(http, base, messages(task, s, answer or ""), tally, stream=True)
-            (await http.post(f"/rollouts/{rid}/finish", json={"reward": float(s % 2 == 0)})).raise_for_status()
+            await _control(http, f"/rollouts/{rid}/finish", {"reward": float(s % 2 == 0)}, tally)
             tally.rollouts += 1
             await asyncio.sleep(think_s)
         n += 1
+
+
+async def _control(http: httpx.AsyncClient, path: str, body: dict[str, Any], tally: Tally, attempts: int = 3) -> None:
+    """Create or finish a rollout as GatewayClient does: retried on a connection error, which is
+    safe (the id is chosen here, a finish is idempotent); the retries are counted and reported."""
+    for attempt in range(attempts):
+        try:
+            (await http.post(path, json=body)).raise_for_status()
+            return
+        except httpx.TransportError as exc:
+            if attempt == attempts - 1:
+                raise
+            what = describe(exc)
+            tally.control_retries[what] = tally.control_retries.get(what, 0) + 1
+            await asyncio.sleep(0.2 * (attempt + 1))
 
 
 async def _gateway_call(http: httpx.AsyncClient, url: str, msgs: list[dict[str, str]], tally: Tally, *,
@@ -214,7 +230,8 @@ async def run(args: argparse.Namespace) -> None:
     stop.set()
     await reporter
     emit({"kind": args.kind, "final": True, "sent": tally.sent, "ok": tally.ok, "failed": tally.failed,
-          "rollouts": tally.rollouts, "pid": os.getpid(), "errors": tally.errors, "failures": tally.failures})
+          "rollouts": tally.rollouts, "pid": os.getpid(), "errors": tally.errors, "failures": tally.failures,
+          "control_retries": tally.control_retries})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -125,6 +125,8 @@ def print_report(result: dict[str, Any]) -> None:
     for name, f in result.get("failures", {}).items():
         for what, n in f["errors"].items():
             print(f"failed {name}: {n} x {what}")
+        for what, n in f.get("control_retries", {}).items():
+            print(f"retried {name} rollout create/finish: {n} x {what}")
         for one in f["first_failures"]:
             if "calls_in_store" in one:
                 print(f"  {one['url']}: stream={one['stream']}, {one['seconds']} s, "

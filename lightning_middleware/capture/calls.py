@@ -106,10 +106,16 @@ class CaptureSettings:
     default_policy: str | None = None
     _unattached_counter: Any = field(default_factory=lambda: _Counter())
 
-    def policy_for(self, agent: str | None) -> str | None:
-        """The served model name a call of `agent` goes to, or None to leave the request's own."""
-        if agent is not None and agent in self.policies:
-            return self.policies[agent]
+    def policy_for(self, agent: str | None, state: RolloutState | None = None) -> str | None:
+        """The served model name a call of `agent` goes to, or None to leave the request's own:
+        the rollout's own map first, then this map, then the rollout's default, then this one."""
+        if agent is not None:
+            if state is not None and agent in state.policies:
+                return state.policies[agent]
+            if agent in self.policies:
+                return self.policies[agent]
+        if state is not None and state.default_policy is not None:
+            return state.default_policy
         return self.default_policy
 
 
@@ -323,7 +329,7 @@ def begin_call(settings: CaptureSettings, endpoint: str, payload: dict[str, Any]
     The recording transport enters here for every request it sees; the gateway, which
     has parsed and routed the request itself, enters here directly. None: not recorded.
     """
-    served = settings.policy_for(agent_name)
+    served = settings.policy_for(agent_name, state)
     rerouted = served is not None and payload.get("model") != served
     if rerouted:
         payload = {**payload, "model": served}

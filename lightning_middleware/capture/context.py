@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from lightning_middleware.records import Mode, Reward, Rollout, RolloutStatus, new_id
@@ -47,6 +47,10 @@ class RolloutState:
         self.store = store
         self.policy_version = policy_version
         self.scorer = scorer  # the reward configuration scored at the rollout's end, if any
+        # The rollout's own agent -> served model map (a gateway rollout's `policies`), consulted
+        # before the client's or gateway's map; `default_policy` before theirs (docs/policies.md).
+        self.policies: Mapping[str, str] = {}
+        self.default_policy: str | None = None
         self.ended = False
         self.last_call_index: int | None = None
         self._counter = itertools.count()

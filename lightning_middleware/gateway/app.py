@@ -11,6 +11,8 @@ from lightning_middleware.gateway.errors import HTTPError, error_reply
 from lightning_middleware.gateway.registry import check_rollout_id
 from lightning_middleware.gateway.requests import check_headers, parse_object, proxy_route, receive_body
 from lightning_middleware.gateway.responses import Receive, Scope, Send
+from lightning_middleware.gateway.reward_keys import IDEMPOTENCY_HEADER
+from lightning_middleware.gateway.rollout_policies import policies_from_metadata
 from lightning_middleware.records import Rollout, RolloutStatus
 
 if TYPE_CHECKING:  # the gateway builds its app: a type-only import keeps the arrow one-way
@@ -88,6 +90,7 @@ def build_routes(gw: Gateway) -> Starlette:
 
     def rollout_json(r: Rollout, request: Request) -> dict[str, Any]:
         d = {k: v for k, v in r.__dict__.items()}
+        d.update(policies_from_metadata(r.metadata).as_json())  # the rollout's own map, if any
         d["base_url"] = str(request.base_url).rstrip("/") + f"/rollouts/{r.id}/v1"
         return d
 
@@ -110,10 +113,8 @@ def build_routes(gw: Gateway) -> Starlette:
         return JSONResponse({**rollout_json(stored, request), "in_flight": gw.rollouts.in_flight(rid)})
 
     async def reward(request: Request) -> Any:
-        r, applied = await gw.rollouts.add_reward(request.path_params["rid"], await json_body(request))
-        return JSONResponse({"rollout_id": r.rollout_id, "value": r.value, "name": r.name, "final": r.final,
-                             "call_index": r.call_index, "agent": r.agent, "late": bool(r.metadata.get("late")),
-                             "applied": applied})
+        return await gw.reward_keys.post(request.path_params["rid"], await json_body(request),
+                                         request.headers.get(IDEMPOTENCY_HEADER))
 
     async def finish(request: Request) -> Any:
         done = await gw.rollouts.finish(request.path_params["rid"], await json_body(request, optional=True),

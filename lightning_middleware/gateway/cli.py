@@ -10,7 +10,7 @@ from typing import Any
 from lightning_middleware.gateway.auth import TOKEN_ENV
 from lightning_middleware.gateway.errors import GatewayConfigError
 from lightning_middleware.gateway.responses import bind_socket
-from lightning_middleware.gateway.service import Gateway
+from lightning_middleware.gateway.service import KEEP_ALIVE_S, Gateway
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,9 @@ def add_cli(sub: Any) -> None:
                    help="while paused, new calls wait (up to --pause-wait) or get 429 at once")
     p.add_argument("--pause-wait", type=float, default=30.0, help="seconds a call waits out a pause before 429")
     p.add_argument("--upstream-timeout", type=float, default=600.0, help="read timeout per upstream call (504)")
+    p.add_argument("--keep-alive", type=int, default=KEEP_ALIVE_S,
+                   help=f"seconds an idle client connection stays open (default {KEEP_ALIVE_S}: longer than "
+                        "HTTP clients keep idle connections, so a reused one is never closed under them)")
     p.add_argument("--health-interval", type=float, default=5.0)
     p.add_argument("--retry-window", type=float, default=30.0,
                    help="an identical body resent within a rollout this soon after success is answered from it")
@@ -75,6 +78,7 @@ def run_cli(args: argparse.Namespace) -> int:
                      max_header_bytes=int(args.max_header_kb * 1024), pause_mode=args.pause_mode,
                      pause_wait_s=args.pause_wait, upstream_timeout_s=args.upstream_timeout,
                      health_interval_s=args.health_interval, retry_window_s=args.retry_window,
+                     keep_alive_s=args.keep_alive,
                      policy_version=args.policy_version, record_unattached=not args.no_record_unattached,
                      translate=not args.no_translate, policies=_policies(args.policy),
                      default_policy=args.default_policy, rewards=args.rewards)
@@ -86,7 +90,7 @@ def run_cli(args: argparse.Namespace) -> int:
     log.info("gateway on %s -> %s, store %s%s", gw.base_url, ", ".join(u.url for u in gw.upstreams),
              gw.store.safe_url, " (token required)" if token else "")
     server = uvicorn.Server(uvicorn.Config(gw.app, log_level="warning", access_log=False, lifespan="on",
-                                           timeout_graceful_shutdown=10))
+                                           timeout_graceful_shutdown=10, timeout_keep_alive=gw.keep_alive_s))
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises SIGINT after its graceful shutdown

@@ -8,6 +8,7 @@ Without one, a late final reward moves `final_reward` under the store's rule (re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -18,13 +19,16 @@ from typing import Any
 
 from lightning_middleware.capture import RolloutState
 from lightning_middleware.gateway.errors import HTTPError
-from lightning_middleware.gateway.requests import is_rollout_id
+from lightning_middleware.gateway.requests import is_rollout_id, short_text
+from lightning_middleware.gateway.rollout_policies import policies_from_body, policies_from_metadata, with_policies
 from lightning_middleware.records import Mode, Reward, Rollout, RolloutStatus
 from lightning_middleware.rewards import Scorer
 from lightning_middleware.rewards.config import AGENT
 from lightning_middleware.store import TraceStore
 
 log = logging.getLogger(__name__)
+
+REWARD_KEY_FIELD = "idempotency_key"  # the reward metadata field an Idempotency-Key is kept in
 
 
 @dataclass
@@ -76,6 +80,7 @@ class RolloutRegistry:
             entry = self._open.get(rollout_id)  # created meanwhile?
             if entry is None:
                 state = RolloutState(stored.id, stored.task_id, stored.mode, self.store, stored.policy_version)
+                policies_from_metadata(stored.metadata).apply(state)  # routed as before the restart
                 if stored.status == RolloutStatus.RUNNING.value:
                     # Opened before a restart or by another gateway: continue its call numbering.
                     calls = await asyncio.to_thread(self.store.calls, rollout_id)
@@ -104,28 +109,41 @@ class RolloutRegistry:
         metadata = body.get("metadata") or {}
         if not isinstance(metadata, dict):
             raise HTTPError(400, "metadata must be an object", code="bad_metadata")
-        rollout = Rollout(id=rid, task_id=task_id, mode=mode, input=body.get("input"), metadata=metadata,
-                          policy_version=policy_version, created_at=time.time())
+        policies = policies_from_body(body)
+        rollout = Rollout(id=rid, task_id=task_id, mode=mode, input=body.get("input"),
+                          metadata=with_policies(metadata, policies), policy_version=policy_version,
+                          created_at=time.time())
         stored, created = await asyncio.to_thread(self.store.create_rollout, rollout)
         if not created and (stored.task_id != task_id or stored.mode != mode):
             raise HTTPError(409, f"rollout {rid!r} exists with task_id={stored.task_id!r} mode={stored.mode.value!r}",
                              code="rollout_conflict")
+        if not created and policies_from_metadata(stored.metadata) != policies:
+            raise HTTPError(409, f"rollout {rid!r} exists with another policy map: "
+                            f"{policies_from_metadata(stored.metadata).as_json()}", code="rollout_conflict")
         if created:
-            entry = RolloutEntry(RolloutState(rid, task_id, mode, self.store, policy_version))
+            state = RolloutState(rid, task_id, mode, self.store, policy_version)
+            policies.apply(state)
+            entry = RolloutEntry(state)
             entry.idle.set()
             self._open[rid] = entry
         return stored, created
 
-    async def add_reward(self, rollout_id: str, body: dict[str, Any]) -> tuple[Reward, bool]:
+    async def add_reward(self, rollout_id: str, body: dict[str, Any], *, key: str | None = None) -> tuple[Reward, bool]:
         """Store a reward (after the finish too: kept as `late`); (the reward, whether it moved
-        the rollout's final reward)."""
+        the rollout's final reward). `key`: the request's Idempotency-Key, stored with it (reward_keys)."""
         entry = await self.entry(rollout_id, for_call=False)
         reward = reward_from(rollout_id, body, scorer=self.scorer, late=entry.finished)
+        if key is not None:
+            reward = dataclasses.replace(reward, metadata={**reward.metadata, REWARD_KEY_FIELD: key})
         applied = await asyncio.to_thread(self.store.add_reward, reward)
         if entry.finished and self.scorer is not None and reward.call_index is None and reward.agent is None:
             written = await asyncio.to_thread(self.scorer.score_rollout, self.store, rollout_id, reuse_model=True)
             applied = written.applied
         return reward, applied
+
+    def reward_for(self, rollout_id: str, body: dict[str, Any]) -> Reward:
+        """The reward `body` describes, as `add_reward` would store it (not stored)."""
+        return reward_from(rollout_id, body, scorer=self.scorer)
 
     async def finish(self, rollout_id: str, body: dict[str, Any], *, default_status: str) -> Rollout:
         status = body.get("status", default_status)
@@ -219,9 +237,3 @@ def check_rollout_id(rid: object) -> None:
     if not is_rollout_id(rid):
         raise HTTPError(400, "a rollout id is 1-64 characters of A-Z a-z 0-9 . _ : -, not only dots",
                         code="bad_rollout_id")
-
-
-def short_text(value: object, limit: int = 255) -> bool:
-    """A string the store's short text columns hold on every database (PostgreSQL: no NUL, the
-    column's length)."""
-    return isinstance(value, str) and len(value) <= limit and "\x00" not in value

@@ -26,6 +26,12 @@ def is_rollout_id(value: object) -> bool:
     return isinstance(value, str) and ID_RE.match(value) is not None
 
 
+def short_text(value: object, limit: int = 255) -> bool:
+    """A string the store's short text columns hold on every database (PostgreSQL: no NUL, the
+    column's length)."""
+    return isinstance(value, str) and len(value) <= limit and "\x00" not in value
+
+
 def check_headers(headers: list[tuple[bytes, bytes]], limit: int) -> None:
     """A 431 for headers over `limit` bytes in all (uvicorn's httptools parser has no limit of its
     own), a 400 for a name that is no token or a value with control characters."""

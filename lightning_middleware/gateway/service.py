@@ -26,10 +26,13 @@ HTTP surface (see docs/gateway.md):
 Training safety: an `Idempotency-Key` request header replays the stored response
 (one upstream call, one training call), and identical bodies resent within a
 rollout while the first is in flight or within `retry_window_s` after it
-succeeded are answered from the first (a client's retry storm stays one call).
+succeeded are answered from the first (a client's retry storm stays one call). A reward POST
+with an `Idempotency-Key` is stored once (`reward_keys`); a rollout may carry its own
+agent -> policy map (`rollout_policies`).
 
 The parts, one module each: `admission` (the pause gate), `upstreams` (replica choice and
 health), `replay` (retries answered from the first call), `registry` (rollouts over HTTP),
+`rollout_policies`, `reward_keys`, `client` (`GatewayClient`),
 `requests`/`responses` (raw ASGI), `translation` (other formats as chat completions), `errors`,
 `auth`, `app` (routes), `cli`. Heavy imports
 (starlette, uvicorn, aiohttp) happen inside functions: registering the CLI stays cheap.
@@ -58,6 +61,7 @@ from lightning_middleware.gateway.registry import RolloutEntry, RolloutRegistry
 from lightning_middleware.gateway.replay import Cached, Flight, ReplayCache, is_retry
 from lightning_middleware.gateway.requests import Receive, parse_object, receive_body
 from lightning_middleware.gateway.responses import Full, Scope, Send, StreamResponse, bind_socket
+from lightning_middleware.gateway.reward_keys import RewardKeys
 from lightning_middleware.gateway.translation import TranslatedCall, in_format, translate_call
 from lightning_middleware.gateway.upstreams import Upstream, UpstreamPool
 from lightning_middleware.records import new_id
@@ -67,6 +71,10 @@ from lightning_middleware.store import TraceStore, get_store
 log = logging.getLogger(__name__)
 
 REPLAY_HEADER = "x-lightning-replayed"
+# uvicorn closes an idle connection after 5 s by default, the very moment httpx's pool (expiry 5 s)
+# may reuse it: the request then dies as a ReadError before the gateway reads it, so it is never
+# recorded. Idle connections stay open longer than clients keep them (nginx's default, 75 s).
+KEEP_ALIVE_S = 75
 
 
 class Gateway:
@@ -97,6 +105,7 @@ class Gateway:
         retry_window_s: float = 30.0,
         idempotency_ttl_s: float = 3600.0,
         max_cached_responses: int = 1024,
+        keep_alive_s: int = KEEP_ALIVE_S,
         record_unattached: bool = True,
         policy_version: int | None = None,
         translate: bool = True,
@@ -124,6 +133,7 @@ class Gateway:
         self.host, self.port, self.token = host, port, token
         self.upstream_api_key = upstream_api_key
         self.max_body_bytes, self.max_header_bytes = max_body_bytes, max_header_bytes
+        self.keep_alive_s = keep_alive_s
         self.connect_timeout_s, self.upstream_timeout_s = connect_timeout_s, upstream_timeout_s
         self.health_interval_s = health_interval_s
         self.record_unattached = record_unattached
@@ -137,6 +147,7 @@ class Gateway:
         scorer = rewards if isinstance(rewards, Scorer) or rewards is None else Scorer(
             rewards if isinstance(rewards, RewardConfig) else load_config(rewards))
         self.rollouts = RolloutRegistry(self.store, finish_wait_s=upstream_timeout_s, scorer=scorer)
+        self.reward_keys = RewardKeys(self.rollouts, ttl_s=idempotency_ttl_s)
         if policy_version is None:  # continue from the newest checkpoint the trainer recorded
             try:
                 policy_version = self.store.latest_policy_version()
@@ -202,7 +213,7 @@ class Gateway:
         sock = bind_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, timeout_keep_alive=self.keep_alive_s)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="lightning-gateway", daemon=True)

@@ -15,7 +15,9 @@ The ranking judge (ranking.py) scores a group, not a rollout: `score_group` asks
 the group and scores each member with its share. A rollout scored alone (as it ends, or again
 after a late label) reuses the value its group got; before its group is ranked the component is
 pending and the rollout has no final reward yet, so nothing trains on a sum with the judge's
-term missing. A group of one has no ranking: the component is absent, the final's metadata
+term missing; a "reward_pending" reward (its metadata names the pending components) says so,
+so a trainer that cannot rank (no `--reward-config`) can tell "waiting for a ranking" from
+"no reward" and say what to do. A group of one has no ranking: the component is absent, the final's metadata
 says why (`notes`).
 """
 
@@ -30,7 +32,7 @@ from typing import Any
 from lightning_middleware.records import Reward, RolloutStatus
 from lightning_middleware.rewards.config import RANK_JUDGE, Component, RewardConfig
 from lightning_middleware.rewards.guards import BUILTIN_GUARDS
-from lightning_middleware.rewards.ranking import GroupRanking, rank_group
+from lightning_middleware.rewards.ranking import GroupRanking, rank_groups
 from lightning_middleware.rewards.rules import BUILTIN_RULES, Rule, Score, as_score, resolve
 from lightning_middleware.rewards.sources import human_score, local_scorer, model_score
 from lightning_middleware.rewards.trajectory import HUMAN, Trajectory, load_trajectory
@@ -40,6 +42,8 @@ log = logging.getLogger(__name__)
 
 FINAL = "final"
 ERRORS = "reward_errors"
+PENDING = "reward_pending"  # a rollout's components still to come (the ranking of its group)
+RANKED_BY = "the trainer's --reward-config (it ranks each ready group) or `lightning-mw rewards rescore`"
 REWARD_MODEL = "reward_model"
 APPLY = ("none", "unconsumed", "all")
 
@@ -158,12 +162,23 @@ class Scorer:
                                                                                                 GroupRanking | None]:
         """Score the rollouts of one group (one task), the ranking judge asked once for all of them
         (unless `reuse_model` and each already has its value). The ranking is None without a judge."""
+        return self.score_groups([group], reuse_model=reuse_model)[0]
+
+    def score_groups(self, groups: Sequence[Sequence[Trajectory]], *, reuse_model: bool = False
+                     ) -> list[tuple[list[Scored], GroupRanking | None]]:
+        """`score_group` for each group, the judge ranking them concurrently (`rank_judge.concurrency`
+        at a time): a slow judge costs about one latency for a round of groups, not one per group."""
         cfg = self.config.rank_judge
-        if cfg is None or (reuse_model and all(_latest(t.rewards, RANK_JUDGE, self.hash) for t in group)):
-            return [self.score(t, reuse_model=reuse_model) for t in group], None
-        ranking = rank_group(group, cfg)
-        return [self.score(t, reuse_model=reuse_model, rank=self._group_rank(ranking, t.rollout.id))
-                for t in group], ranking
+        asked = [g for g in groups if cfg is not None and not (
+            reuse_model and all(_latest(t.rewards, RANK_JUDGE, self.hash) for t in g))]
+        rankings = dict(zip(map(id, asked), rank_groups(asked, cfg))) if cfg is not None else {}
+        out = []
+        for g in groups:
+            ranking = rankings.get(id(g))
+            out.append(([self.score(t, reuse_model=reuse_model,
+                                    rank=None if ranking is None else self._group_rank(ranking, t.rollout.id))
+                         for t in g], ranking))
+        return out
 
     def score(self, t: Trajectory, *, reuse_model: bool = False, rank: ComponentValue | None = None) -> Scored:
         """Every component of `t` and the final reward. `reuse_model`: take the reward model's
@@ -203,6 +218,9 @@ class Scorer:
         if scored.errors:
             out.append(Reward(rid, float(len(scored.errors)), name=ERRORS, final=False, created_at=now,
                               config_hash=h, metadata={"errors": scored.errors, "on_error": self.config.on_error}))
+        if scored.pending and _latest(previous, PENDING, h) is None:  # once: the marker, not a history
+            out.append(Reward(rid, float(len(scored.pending)), name=PENDING, final=False, created_at=now,
+                              config_hash=h, metadata={"pending": list(scored.pending), "by": RANKED_BY}))
         if scored.final is not None:
             last = _latest(previous, FINAL, h)
             if out or last is None or last.value != scored.final or (final and outdated):
@@ -234,9 +252,8 @@ class Scorer:
         applied = store.add_rewards(records, force_final=apply == "all")
         if scored.pending and not self._hinted:
             self._hinted = True
-            log.info("rollout %s waits for its group's ranking before it has a final reward under %s: run the "
-                     "trainer with --reward-config (it ranks each ready group) or `lightning-mw rewards rescore`",
-                     t.rollout.id, self.hash)
+            log.info("rollout %s waits for its group's ranking before it has a final reward under %s: run %s",
+                     t.rollout.id, self.hash, RANKED_BY)
         if scored.final is None and not scored.pending:
             log.warning("rollout %s has no final reward under %s: %s", t.rollout.id, self.hash, scored.errors)
         return Written(scored, len(records), t.rollout.id in applied)

@@ -56,7 +56,8 @@ _TOP_KEYS = {"reward_type", "on_error", "rules", "guards", "reward_model", "rank
 _MODEL_KEYS = {"weight", "url", "model", "scorer", "path", "prompt", "max_score", "scale", "offset", "timeout_s",
                "retries", "api_key_env", "max_chars"}
 _RANK_KEYS = {"weight", "url", "model", "prompt", "timeout_s", "retries", "api_key_env", "max_chars",
-              "max_tokens", "shuffle"}
+              "max_tokens", "shuffle", "concurrency", "deadline_s"}
+_RANK_EFFORT = {"api_key_env", "timeout_s", "retries", "concurrency", "deadline_s"}  # how, not what: not hashed
 _HUMAN_KEYS = {"weight", "interval"}
 
 
@@ -131,11 +132,17 @@ class RankJudgeConfig:
     max_chars: int = 24000  # all candidates' transcripts together are cut to this many characters
     max_tokens: int = 256
     shuffle: bool = True  # candidates in an order drawn from their ids, so no rollout is always "A"
+    concurrency: int = 4  # groups ranked at once (the trainer's ready groups, a rescore's groups)
+    deadline_s: float = 120.0  # one group's ranking, every answer and retry together; then it failed
 
     def __post_init__(self) -> None:
         if not (isinstance(self.url, str) and self.url and isinstance(self.model, str) and self.model):
             raise ConfigError("[rank_judge] needs the judge's url and model (text)")
-        for key, least in (("retries", 0), ("max_chars", 200), ("max_tokens", 1)):
+        for key in ("timeout_s", "deadline_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"rank_judge.{key} must be a number of seconds > 0, got {value!r}")
+        for key, least in (("retries", 0), ("max_chars", 200), ("max_tokens", 1), ("concurrency", 1)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(f"rank_judge.{key} must be a whole number >= {least}, got {value!r}")
@@ -146,7 +153,7 @@ class RankJudgeConfig:
             raise ConfigError(f"rank_judge.shuffle must be true or false, got {self.shuffle!r}")
 
     def describe(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in sorted(_RANK_KEYS - {"api_key_env", "timeout_s", "retries"})}
+        return {k: getattr(self, k) for k in sorted(_RANK_KEYS - _RANK_EFFORT)}
 
 
 @dataclass(frozen=True)
@@ -286,7 +293,7 @@ def _rank_judge(data: Any) -> RankJudgeConfig | None:
         return data
     data = _table(data, "rank_judge", _RANK_KEYS)
     kw = dict(data)
-    for key in ("weight", "timeout_s"):
+    for key in ("weight", "timeout_s", "deadline_s"):
         if key in kw:
             kw[key] = _number(kw[key], f"rank_judge.{key}")
     if "url" not in kw or "model" not in kw:
@@ -352,7 +359,7 @@ def _check_shape(cfg: RewardConfig) -> None:
                           "for guards and human feedback alone use reward_type = 'rule'")
     names = [c.name for c in cfg.components] + (["reward_model"] if cfg.reward_model else []) + (
         [RANK_JUDGE] if cfg.rank_judge else []) + (["human"] if cfg.human else [])
-    reserved = {"final", "reward_errors", "reward_model", "human", RANK_JUDGE, AGENT}
+    reserved = {"final", "reward_errors", "reward_pending", "reward_model", "human", RANK_JUDGE, AGENT}
     for c in cfg.components:
         if c.name in reserved:
             raise ConfigError(f"a {c.kind} may not be named {c.name!r} (reserved)")

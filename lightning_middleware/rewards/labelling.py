@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 MAX_NOTE = 2000
 WINNERS = {"a": (1.0, 0.0), "b": (0.0, 1.0), "tie": (0.5, 0.5)}
+_NOT_COMPONENTS = ("final", "reward_errors", "reward_pending", HUMAN)
 
 
 def _view(t: Trajectory, scorer: Scorer | None) -> dict[str, Any]:
@@ -46,7 +47,7 @@ def _view(t: Trajectory, scorer: Scorer | None) -> dict[str, Any]:
     components = {}
     if scorer is not None:
         for reward in t.rewards:
-            if reward.config_hash == scorer.hash and reward.name not in ("final", "reward_errors", HUMAN):
+            if reward.config_hash == scorer.hash and reward.name not in _NOT_COMPONENTS:
                 components[str(reward.name)] = reward.value
     return {
         "id": r.id, "task_id": r.task_id, "status": str(r.status), "input": r.input,

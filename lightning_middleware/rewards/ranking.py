@@ -13,8 +13,11 @@ An answer that cannot be read (prose, a letter that is no candidate, a candidate
 named twice) is asked again, with what was wrong, up to `retries` times; after that every
 rollout of the group gets the error (the `reward_errors` reward). Unreadable answers are
 counted (`GroupRanking.unparseable`), and the counts reach `rewards rescore`'s summary and
-the trainer's per-step metrics. A group of one has nothing to rank against: the component is
-absent, and the final reward's metadata says why.
+the trainer's per-step metrics. A group's ranking has a deadline (`deadline_s`: every answer and
+retry together; then it is the error), and `rank_groups` ranks several groups at once
+(`concurrency` at a time), so a slow judge costs about one latency per round, not one per group.
+A group of one has nothing to rank against: the component is absent, and the final reward's
+metadata says why.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import hashlib
 import json
 import logging
 import re
+import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,12 +193,14 @@ def rank_group(group: Sequence[Trajectory], cfg: RankJudgeConfig) -> GroupRankin
                 {"role": "user", "content": render_group(ordered, labels, cfg.max_chars)}]
     bad, why = 0, ""
     replies: list[str] = []
+    deadline = time.monotonic() + cfg.deadline_s
     for _ in range(cfg.retries + 1):
         try:
             reply = chat_reply(cfg.url, cfg.model, messages, timeout_s=cfg.timeout_s, retries=cfg.retries,
-                               api_key_env=cfg.api_key_env, max_tokens=cfg.max_tokens)
+                               api_key_env=cfg.api_key_env, max_tokens=cfg.max_tokens, deadline=deadline)
         except RewardModelError as exc:
-            return GroupRanking(error=str(exc), unparseable=bad, asked=len(replies) + 1)
+            late = f" (rank_judge.deadline_s = {cfg.deadline_s:g} s)" if time.monotonic() >= deadline else ""
+            return GroupRanking(error=f"{exc}{late}", unparseable=bad, asked=len(replies) + 1)
         replies.append(reply)
         try:
             ranks = parse_ranking(reply, labels)
@@ -208,6 +215,15 @@ def rank_group(group: Sequence[Trajectory], cfg: RankJudgeConfig) -> GroupRankin
         return _ranked(ordered, labels, ranks, reply, bad, len(replies))
     return GroupRanking(error=f"the ranking judge's answer could not be read after {len(replies)} tries: {why}; "
                               f"last answer: {replies[-1][:300]!r}", unparseable=bad, asked=len(replies))
+
+
+def rank_groups(groups: Sequence[Sequence[Trajectory]], cfg: RankJudgeConfig) -> list[GroupRanking]:
+    """`rank_group` for each group, `cfg.concurrency` of them at once (threads: the judge is
+    I/O), in the order given. Only HTTP runs in the threads; the caller stores the results."""
+    if len(groups) < 2 or cfg.concurrency == 1:
+        return [rank_group(g, cfg) for g in groups]
+    with ThreadPoolExecutor(max_workers=min(cfg.concurrency, len(groups)), thread_name_prefix="rank-judge") as pool:
+        return list(pool.map(lambda g: rank_group(g, cfg), groups))
 
 
 def _ranked(ordered: Sequence[Trajectory], labels: Sequence[str], ranks: Mapping[str, float], reply: str,

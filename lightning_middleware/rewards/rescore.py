@@ -6,7 +6,8 @@ hash; the rewards stored before (the agent's, an older configuration's) stay as 
 final reward the trainer sees is `apply`'s choice (combine.Scorer.score_rollout).
 
 With a ranking judge the selected rollouts are scored by group: those of one task (and mode)
-ranked together, so select whole groups (a `--limit` that cuts a group ranks its part).
+ranked together, so select whole groups (a `--limit` that cuts a group ranks its part); the
+groups of a batch are ranked concurrently (`rank_judge.concurrency` at a time).
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ def rescore(store: TraceStore, config: RewardConfig | Scorer, *, rollout_ids: Se
     counts = dict.fromkeys(("n", "finals", "applied", "written", "ranked", "failed", "single", "bad"), 0)
     for group in _chunks(rollouts, batch, by_group=scorer.config.rank_judge is not None):
         trajectories = load_trajectories(store, group)
-        for members in _groups(trajectories) if scorer.config.rank_judge is not None else [trajectories]:
-            scored, ranking = scorer.score_group(members, reuse_model=reuse_model)
+        groups = _groups(trajectories) if scorer.config.rank_judge is not None else [trajectories]
+        # the chunk's groups ranked concurrently (rank_judge.concurrency), stored here one by one
+        for members, (scored, ranking) in zip(groups, scorer.score_groups(groups, reuse_model=reuse_model)):
             if ranking is not None:
                 counts["ranked"] += bool(ranking.values)
                 counts["failed"] += ranking.error is not None

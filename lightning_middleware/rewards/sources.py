@@ -93,9 +93,10 @@ def _ask_judge(cfg: RewardModelConfig, text: str) -> str:
 
 
 def chat_reply(url: str, model: str, messages: list[dict[str, str]], *, timeout_s: float, retries: int,
-               api_key_env: str | None, max_tokens: int) -> str:
+               api_key_env: str | None, max_tokens: int, deadline: float | None = None) -> str:
     """The text of an OpenAI-compatible judge's reply (temperature 0), an HTTP failure retried
-    `retries` times with backoff; RewardModelError after that."""
+    `retries` times with backoff; RewardModelError after that, or once `deadline` (a
+    `time.monotonic()` instant) has passed: no attempt nor backoff runs beyond it."""
     headers = {}
     if api_key_env:
         key = os.environ.get(api_key_env)
@@ -106,14 +107,18 @@ def chat_reply(url: str, model: str, messages: list[dict[str, str]], *, timeout_
     endpoint = url.rstrip("/") + "/chat/completions"
     last: Exception | None = None
     for attempt in range(retries + 1):
+        left = math.inf if deadline is None else deadline - time.monotonic()
+        if left <= 0:
+            raise RewardModelError(f"the judge at {url} gave no answer before its deadline"
+                                   + (f" (last failure: {type(last).__name__}: {last})" if last else ""))
         try:
-            resp = httpx.post(endpoint, json=body, headers=headers, timeout=timeout_s)
+            resp = httpx.post(endpoint, json=body, headers=headers, timeout=min(timeout_s, left))
             resp.raise_for_status()
             return str(resp.json()["choices"][0]["message"]["content"] or "")
         except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
             last = exc
             if attempt < retries:
-                time.sleep(0.2 * 2 ** attempt)
+                time.sleep(min(0.2 * 2 ** attempt, max(0.0, left - 0.01)))
     raise RewardModelError(f"the judge at {url} failed: {type(last).__name__}: {last}")
 
 

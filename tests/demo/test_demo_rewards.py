@@ -176,3 +176,4 @@ def test_curve_summary_weighs_steps_by_their_rollouts_and_report_line() -> None:
            "rl_summary": {"last_steps": {"hacking_rate": 0.9}}, "rewards": {"hash": "abcd"}}
     assert report_line(res) == ("tool calls per held-out rollout: 3.25 -> 3.90; hacking rate of the train "
                                 "rollouts (last quarter of RL): 90.0%; reward configuration abcd")
+    assert report_line({"before": {"sampled": {"success": 0.4}}, "after": {"sampled": {"success": 0.6}}}) == ""

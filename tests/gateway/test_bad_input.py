@@ -240,11 +240,15 @@ reward_bodies = st.one_of(
 
 
 @fuzz(60)
-@given(body=reward_bodies)
-@example(body={"value": 1.0, "name": "0" * 256})  # found: stored on SQLite, a 503 on PostgreSQL (VARCHAR(255))
-def test_a_bad_reward_is_a_400_and_writes_nothing(served: Served, body: dict[str, Any]) -> None:
+@given(body=reward_bodies, key=st.none() | st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1,
+                                                  max_size=300).map(str.encode))
+# found: stored on SQLite, a 503 on PostgreSQL (VARCHAR(255))
+@example(body={"value": 1.0, "name": "0" * 256}, key=None)
+@example(body={"value": "1"}, key=b"k-1")
+def test_a_bad_reward_is_a_400_and_writes_nothing(served: Served, body: dict[str, Any], key: bytes | None) -> None:
     tried("gateway: bad rewards")
-    assert_refused(served.post(f"/rollouts/{served.rid}/reward", json.dumps(body).encode()), 400)
+    headers = [(b"idempotency-key", key)] if key else []
+    assert_refused(served.post(f"/rollouts/{served.rid}/reward", json.dumps(body).encode(), headers), 400)
 
 
 create_bodies = st.one_of(
@@ -253,6 +257,12 @@ create_bodies = st.one_of(
     st.fixed_dictionaries({"task_id": st.text(min_size=256, max_size=300)}),
     st.fixed_dictionaries({"task_id": st.just("t"), "mode": json_values.filter(lambda v: v not in ("train", "val"))}),
     st.fixed_dictionaries({"task_id": st.just("t"), "metadata": wrong_value((dict,)).filter(bool)}),
+    # A rollout's own policy map (issue 17): not an object, a model name that is no name, a bad default.
+    st.fixed_dictionaries({"task_id": st.just("t"), "policies": wrong_value((dict,)).filter(bool)}),
+    st.fixed_dictionaries({"task_id": st.just("t"), "policies": st.dictionaries(
+        st.text(min_size=1, max_size=20), wrong_value((str,)) | st.text(min_size=256, max_size=300) | st.just(""),
+        min_size=1, max_size=3)}),
+    st.fixed_dictionaries({"task_id": st.just("t"), "default_policy": wrong_value((str,)) | st.just(" ")}),
 )
 
 
@@ -260,7 +270,9 @@ create_bodies = st.one_of(
 @given(body=create_bodies)
 def test_a_bad_rollout_is_a_400(served: Served, body: dict[str, Any]) -> None:
     tried("gateway: bad rollouts")
+    before = len(served.store.query_rollouts())
     assert_refused(served.post("/rollouts", json.dumps(body).encode()), 400)
+    assert len(served.store.query_rollouts()) == before  # nothing stored
 
 
 # --------------------------------------------------------------------------

@@ -115,3 +115,39 @@ def test_a_policy_set_publishes_every_adapter_and_a_restart_restores_the_committ
     publisher.publish(committed, 1)  # what the restarted trainer does with its last committed checkpoint
     assert _complete(lora_server, "coder")[0] == coder_tokens
     assert _complete(lora_server, "reviewer")[0] == base_tokens
+
+
+def test_a_verl_engine_adapter_loads_in_place_too(lora_server, tmp_path):
+    """The verl engine with verl's own LoRA (its real actor in one CPU process: tests/trainer/verl_cpu_lora.py)
+    publishes through the same path: its new adapter is the base, its trained one changes that adapter's
+    greedy output only, and vLLM serves what verl trained (the torch engine continuing verl's adapter
+    computes vLLM's log-probs)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    pytest.importorskip("verl")
+    from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig
+
+    base_tokens, _ = _complete(lora_server, BASE)
+    rows = tmp_path / "rows.pt"
+    torch.save([_row(list(range(300, 308)))], rows)  # no behaviour log-probs: verl recomputes them
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    helper = Path(__file__).parents[1] / "trainer" / "verl_cpu_lora.py"
+    cmd = [sys.executable, str(helper), "train", str(lora_server.model_dir), str(rows), str(tmp_path), "15", "5e-2",
+           str(RANK)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "VERL_CPU_PORT": str(port)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    publisher = WeightPublisher(lora_server.url, adapter_name="coder")
+    assert publisher.publish(tmp_path / "v0", 0).verified
+    assert _complete(lora_server, "coder")[0] == base_tokens  # verl's new adapter (B = 0) is the base
+    swap = publisher.publish(tmp_path / "v1", 1)
+    assert swap.verified and swap.reported_version == "1"
+    tokens, logprobs = _complete(lora_server, "coder")
+    assert tokens != base_tokens and _complete(lora_server, BASE)[0] == base_tokens
+    ours = TorchEngine(tmp_path / "v1", TorchEngineConfig(precision="fp32")).token_logprobs([_row(tokens)])[0]
+    assert max(abs(a - b) for a, b in zip(ours[len(PROMPT):], logprobs)) < 1e-4

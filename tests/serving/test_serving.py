@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.gateway.test_keep_alive import HTTPX_KEEPALIVE_EXPIRY_S, idle_then_ask
 from trainer_backend.serving.publisher import LM_HEAD_TOLERANCE, PublishError, WeightPublisher
 from trainer_backend.serving.server import VLLMServer, VLLMServerError, free_port
 
@@ -338,6 +339,14 @@ def test_swap_untied_matches_hf(vllm_python: Path, untied_checkpoints, tmp_path:
 
 
 # --------------------------------------------------------------------- launcher
+
+
+def test_idle_connections_outlive_the_clients_pool_expiry(vllm_server: VLLMServer) -> None:
+    """vLLM's own default (5 s) closes an idle connection just as httpx may reuse it; the
+    launcher sets 75 s (serving/env.py), so a connection idle past httpx's 5 s still answers."""
+    first, after_idle = idle_then_ask(vllm_server.port, HTTPX_KEEPALIVE_EXPIRY_S + 1.0)
+    assert first.startswith(b"HTTP/1.1 200"), first
+    assert after_idle.startswith(b"HTTP/1.1 200"), after_idle
 
 
 def test_launcher_picks_free_ports(vllm_server: VLLMServer) -> None:

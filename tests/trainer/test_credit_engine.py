@@ -164,7 +164,7 @@ def test_ppo_per_step_rewards_change_gae_and_stay_exact_across_micro_batches(mod
 
 def test_dataproto_carries_per_token_advantages():
     pytest.importorskip("verl")
-    from trainer_backend.engines.verl_engine import dataproto_to_rows, rows_to_dataproto, split_point
+    from trainer_backend.engines.verl_rows import dataproto_to_rows, rows_to_dataproto, split_point
 
     rows = per_turn_rows()
     data = rows_to_dataproto(rows)
@@ -290,14 +290,17 @@ def test_late_per_step_rewards_are_waited_for_and_used(llm_server, bytes_model, 
     with _daemon(store, bytes_model, tmp_path / "ckpt", credit="per-turn",
                  rewards=RewardPolicy(wait_for={"judge": 600})) as daemon:
         assert daemon.step_once() is None  # waiting for the judge
-        for task in ("a", "b"):  # half of each group's first turns judged 0.5
-            for i, r in enumerate(store.query_rollouts(task_id=task)):
-                store.submit_reward(Reward(rollout_id=r.id, value=0.5 * (i % 2), name="judge", final=False,
-                                           call_index=0))
-        store.flush()
+        for call_index, value in ((0, 0.5), (1, 0.0)):  # half of each group's first turns judged 0.5
+            for task in ("a", "b"):
+                for i, r in enumerate(store.query_rollouts(task_id=task)):
+                    store.submit_reward(Reward(rollout_id=r.id, value=value * (i % 2), name="judge", final=False,
+                                               call_index=call_index))
+            store.flush()
+            if call_index == 0:  # a per-call judge is in when every turn is judged, not at the first
+                assert daemon.step_once() is None
         result = daemon.step_once()
     assert result is not None and result.metrics["n_groups"] == 2  # b's turns now differ
-    assert result.metrics["step_rewards_used"] == 8 and result.metrics["step_reward_sum"] == pytest.approx(2.0)
+    assert result.metrics["step_rewards_used"] == 16 and result.metrics["step_reward_sum"] == pytest.approx(2.0)
 
 
 def test_ppo_returns_carry_each_step_reward_from_its_token_on():

@@ -25,16 +25,13 @@ from tests.trainer.tiny_models import save_tiny_qwen2  # noqa: E402
 from trainer_backend.algorithms.grpo import LossConfig, loss_weights  # noqa: E402
 from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 from trainer_backend.engines.verl_engine import (  # noqa: E402
-    LOSS_MODE,
-    LOSS_MODE_DUAL,
     VERL_VERSION,
     VerlEngineConfig,
     build_actor_config,
     check_verl_version,
-    dataproto_to_rows,
-    rows_to_dataproto,
-    split_point,
 )
+from trainer_backend.engines.verl_loss import LOSS_MODE, LOSS_MODE_DUAL  # noqa: E402
+from trainer_backend.engines.verl_rows import dataproto_to_rows, rows_to_dataproto, split_point  # noqa: E402
 
 VOCAB = 48
 
@@ -207,7 +204,7 @@ def _torch_grads(model_dir: Path, rows: list[Row], loss_cfg: LossConfig, micro_b
     return m["loss"], grads
 
 
-def _perturbed(model_dir: Path, rows: list[Row]) -> list[Row]:
+def perturbed_rows(model_dir: Path, rows: list[Row]) -> list[Row]:
     """Behaviour log-probs near the model's own (ratios around 1, some clipped)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     out = []
@@ -225,7 +222,7 @@ def _perturbed(model_dir: Path, rows: list[Row]) -> list[Row]:
 @pytest.mark.parametrize("agg", ["rollout-token-mean", "token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_verl_loss_path_equals_torch_engine(model_dir, agg, dynamic):
-    rows = _perturbed(model_dir, multi_turn_rows())
+    rows = perturbed_rows(model_dir, multi_turn_rows())
     loss_cfg = LossConfig(agg=agg, clip_low=0.2, clip_high=0.28)
     t_loss, t_grads = _torch_grads(model_dir, rows, loss_cfg)
     v_loss, v_grads, n_micro = _verl_grads(model_dir, rows, loss_cfg, dynamic=dynamic)
@@ -238,7 +235,7 @@ def test_verl_loss_path_equals_torch_engine(model_dir, agg, dynamic):
 
 
 def test_verl_loss_path_dual_clip(model_dir):
-    rows = _perturbed(model_dir, multi_turn_rows())
+    rows = perturbed_rows(model_dir, multi_turn_rows())
     rows = [dataclasses.replace(r, behaviour_logprobs=tuple(
                 x - 2.0 * m for x, m in zip(r.behaviour_logprobs, r.loss_mask)))
             for r in rows]  # ratios e^2 > c for negative advantages: dual clip active
@@ -259,7 +256,7 @@ def test_verl_fsdp_actor_on_cpu_equals_torch_engine(model_dir, tmp_path, dual_cl
     import subprocess
     import sys
 
-    rows = _perturbed(model_dir, multi_turn_rows())
+    rows = perturbed_rows(model_dir, multi_turn_rows())
     if dual_clip_c:
         rows = [dataclasses.replace(r, behaviour_logprobs=tuple(x - 2.0 * m for x, m in
                                                                zip(r.behaviour_logprobs, r.loss_mask))) for r in rows]
@@ -331,6 +328,10 @@ def test_verl_engine_refuses_cpu(model_dir):
                               "--bf16", "--micro-batch-tokens", "4096"])
     with pytest.raises(RuntimeError, match="GPU"):
         make_engine(settings_from(args), model_dir, 0)
+    lora_args = parser.parse_args(["trainer", "--store", "sqlite:///x.db", "--model", str(model_dir),
+                                   "--engine", "verl", "--lora-rank", "8"])
+    with pytest.raises(RuntimeError, match="GPU"):  # the settings accept one LoRA policy on verl
+        make_engine(settings_from(lora_args), model_dir, 0)
 
 
 # ---------------------------------------------------------------- VerlEngine.step's driver logic, worker group faked

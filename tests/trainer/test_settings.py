@@ -123,8 +123,10 @@ def test_lora_from_the_flags() -> None:
     eng = s.engine_config()
     assert eng.lora is not None and (eng.lora.rank, eng.lora.alpha) == (16, 32) and s.lora.name == "coder"
     assert settings_from(_parse()).engine_config().lora is None  # rank 0: every weight trains
-    with pytest.raises(SettingsError, match="lora.rank"):
-        settings_from(_parse("--lora-rank", "8", "--engine", "verl"))
+    verl = settings_from(_parse("--lora-rank", "8", "--engine", "verl"))  # one LoRA policy: verl's own LoRA
+    assert verl.run.engine == "verl" and verl.engine_config().lora.rank == 8
+    with pytest.raises(SettingsError, match="lora.policies: several LoRA policies need engine 'torch'"):
+        settings_from(_parse("--lora-rank", "8", "--engine", "verl", "--policies", "coder,reviewer"))
 
 
 def test_the_rewards_section_round_trips_and_reaches_the_daemon(tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ verl 0.9.1 has no CPU platform and registers its FSDP engine for cuda/npu only, 
   - starts a world-size-1 gloo process group itself;
   - uses sdpa attention and no remove-padding (flash-attn is GPU-only),
 and then drives the worker exactly as `VerlEngine.step` does (the same method, with the
-worker object in place of the Ray worker group). Run in a subprocess: it changes globals.
+worker object in place of the Ray worker group: `VerlEngine(start_workers=in_process_worker)`).
+Run in a subprocess: it changes globals. tests/trainer/verl_cpu_lora.py uses the same set-up.
 
     python tests/trainer/verl_cpu_actor.py MODEL_DIR ROWS.pt OUT.pt [dual_clip_c]
 Writes {"metrics": ..., "grads": {name: tensor}, "saved": [files]} to OUT.pt; the actor is built with
@@ -73,34 +74,51 @@ class PlatformCPU(PlatformBase):
     def cudart(self): return None
 
 
-def main() -> None:
-    model_dir, rows_path, out_path = sys.argv[1:4]
-    dual = float(sys.argv[4]) if len(sys.argv) > 4 else None
+def start_cpu_process_group() -> None:
+    """The CPU platform, verl's FSDP engine registered for it, a world-size-1 gloo group (once per process)."""
     set_platform(PlatformCPU())
     from verl.workers.engine import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    from trainer_backend.algorithms.grpo import LossConfig
-    from trainer_backend.engines.verl_engine import VerlEngine, VerlEngineConfig, actor_worker_cls, build_actor_config
-
     register = EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device=["cpu"])
     register(FSDPEngineWithLMHead)
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+
+
+def in_process_worker(actor_config, config):
+    """`VerlEngine(start_workers=...)`: verl's actor worker, built and initialised in this process
+    (it stands in for the Ray worker group: the same methods, called directly)."""
+    from trainer_backend.engines.verl_engine import actor_worker_cls
+
+    worker = actor_worker_cls()(actor_config, role="actor")
+    worker.init_model()
+    return worker
+
+
+# the CPU test's settings: sdpa attention, padded batches (flash-attn is GPU-only), no compile
+CPU_OVERRIDES = ("+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+                 "actor_rollout_ref.model.use_remove_padding=False",
+                 "actor_rollout_ref.actor.use_torch_compile=False",
+                 "actor_rollout_ref.actor.optim.weight_decay=0.0")
+
+
+def main() -> None:
+    model_dir, rows_path, out_path = sys.argv[1:4]
+    dual = float(sys.argv[4]) if len(sys.argv) > 4 else None
+    start_cpu_process_group()
+    from pathlib import Path
+
+    from trainer_backend.algorithms.grpo import LossConfig
+    from trainer_backend.engines.verl_engine import VerlEngine, VerlEngineConfig
+
     # SGD with lr 1 and no clipping: the parameter change is exactly minus the gradient
     cfg = VerlEngineConfig(lr=1.0, grad_clip=1e9, param_dtype="fp32", strategy="fsdp2", use_dynamic_bsz=True,
                            max_token_len_per_gpu=40, gradient_checkpointing=False,
                            loss=LossConfig(clip_low=0.2, clip_high=0.28, dual_clip_c=dual),
-                           overrides=("+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-                                      "actor_rollout_ref.model.use_remove_padding=False",
-                                      "actor_rollout_ref.actor.use_torch_compile=False",
-                                      "actor_rollout_ref.actor.optim.optimizer=SGD",
-                                      "actor_rollout_ref.actor.optim.weight_decay=0.0"))
-    worker = actor_worker_cls()(build_actor_config(model_dir, cfg).actor_rollout_ref, role="actor")
-    worker.init_model()
-    eng = VerlEngine.__new__(VerlEngine)  # VerlEngine.step with the in-process worker as its "worker group"
-    eng.config, eng.policy_version, eng.world_size, eng.pad_id, eng.wg = cfg, 0, 1, 0, worker
+                           overrides=(*CPU_OVERRIDES, "actor_rollout_ref.actor.optim.optimizer=SGD"))
+    eng = VerlEngine(model_dir, cfg, work_dir=Path(out_path).parent / "verl_work", start_workers=in_process_worker)
     rows = torch.load(rows_path, weights_only=False)
-    module = worker.actor.engine.module
+    module = eng.wg.actor.engine.module
 
     def full(t):
         return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
@@ -108,10 +126,7 @@ def main() -> None:
     before = {n: full(p) for n, p in module.named_parameters()}
     metrics = eng.step(rows)
     grads = {n: before[n] - full(p) for n, p in module.named_parameters()}  # SGD, lr 1: delta = -grad
-    out = os.path.join(os.path.dirname(out_path), "hf")
-    eng.work_dir = __import__("pathlib").Path(os.path.dirname(out_path)) / "verl_work"
-    eng.source_dir = __import__("pathlib").Path(model_dir)
-    saved = eng.save(out)
+    saved = eng.save(Path(out_path).parent / "hf")
     torch.save({"metrics": metrics, "grads": grads, "saved": sorted(os.listdir(saved))}, out_path)
     torch.distributed.destroy_process_group()
 

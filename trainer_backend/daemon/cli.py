@@ -190,7 +190,7 @@ def make_engine(settings: TrainerSettings, start_dir: Path, version: int) -> Eng
         vcfg = VerlEngineConfig(lr=o.lr, n_gpus=n_gpus, max_token_len_per_gpu=max(e.micro_batch_tokens, 1024),
                                 freeze_embeddings=e.freeze_embeddings,
                                 param_dtype="bf16" if e.precision.startswith("bf16") else "fp32",
-                                loss=settings.loss_config())
+                                loss=settings.loss_config(), lora=settings.engine_config().lora)
         return VerlEngine(start_dir, vcfg, policy_version=version,
                           work_dir=Path(settings.run.checkpoints) / "_verl")
     if settings.lora.policies:

@@ -9,7 +9,9 @@ version to train on, which components to wait for, and the per-step hacking rate
   arrives (it is then used: the late reward is combined into the final one) or its deadline
   passes; then `on_deadline` trains without it ("train_without", counted per step as
   `rewards_trained_without_<name>`) or skips the rollout ("skip", counted as
-  `skipped_late_<name>`). `rewards_waiting` is how many rollouts were waiting at the step.
+  `skipped_late_<name>`). `rewards_waiting` is how many rollouts were waiting at the step. A
+  per-call component (its rewards carry a call index) is in when every trained call it applies
+  to has one (the calls of the agents its rewards name, else all), not at the first call's.
 - `config`: a reward configuration (a `RewardConfig` or its file): a ready group with a member
   that has no final reward (nor ranking) under it is scored by the daemon just before it
   trains, a ranking judge (`[rank_judge]`) ranking the group once (rollouts scored as they end
@@ -17,13 +19,21 @@ version to train on, which components to wait for, and the per-step hacking rate
   configuration's version. Per step: `rank_judge_groups` (ranked), `rank_judge_failed` (no
   ranking: the judge failed or its answers were never readable; with on_error "drop" those
   rollouts are skipped, counted as `rank_judge_failed`), `rank_judge_groups_of_one`,
-  `rank_judge_unparseable` (answers that could not be read, retried or not).
+  `rank_judge_unparseable` (answers that could not be read, retried or not), `reward_judge_s`
+  (seconds spent scoring groups since the last step: the ready groups of a collect are ranked
+  together, `rank_judge.concurrency` at a time, each within `rank_judge.deadline_s`).
+- Without `config`, a rollout whose ranking is pending under a configuration (a
+  `reward_pending` reward: scored as it ended, e.g. by wrap() or the gateway) cannot be ranked
+  here: its group is held (not skipped as `no_reward`, which would consume it), one warning and
+  one `rewards_pending` event per configuration name the fix, and `rewards_pending_rank_judge`
+  counts the rollouts held at the step. A rescore (or a restart with `config`) releases them.
 - Guards: every stored guard verdict (a component whose source is "guard") of the batch gives
   `guard_<name>_rate` (rollouts where it fired) and `hacking_rate` (any guard fired).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -31,9 +41,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from lightning_middleware import Reward, RewardConfig, Rollout, TraceStore
+from lightning_middleware.records import Event, LLMCall
 from lightning_middleware.rewards import Scorer
+from lightning_middleware.rewards.combine import ERRORS, PENDING
 from lightning_middleware.rewards.config import RANK_JUDGE
 from lightning_middleware.rewards.trajectory import load_trajectories
+
+log = logging.getLogger(__name__)
 
 ON_DEADLINE = ("train_without", "skip")
 FINAL = "final"  # the combined reward's name (lightning_middleware.rewards.combine)
@@ -59,10 +73,11 @@ class RewardPolicy:
 
 
 class RewardGate:
-    """Applies a `RewardPolicy` to the daemon's groups (one rewards query per group)."""
+    """Applies a `RewardPolicy` to the daemon's ready groups (one rewards query per collect)."""
 
-    def __init__(self, store: TraceStore, policy: RewardPolicy) -> None:
+    def __init__(self, store: TraceStore, policy: RewardPolicy, source: str | None = None) -> None:
         self.store = store
+        self.source = source  # the trainer id, on the events it records
         self.scorer = _group_scorer(policy)
         if self.scorer is not None:  # train on the version the daemon scores
             if policy.version not in (None, self.scorer.hash):
@@ -71,47 +86,121 @@ class RewardGate:
             policy = replace(policy, version=self.scorer.hash)
         self.policy = policy
         self._ranking: Counter[str] = Counter()  # the ranking judge's counts since the last step
+        self._judge_s = 0.0  # seconds spent scoring groups (the judge asked) since the last step
         self.reasons: dict[str, str] = {}  # rollout id -> why it has no reward to train on
         self._without: dict[str, list[str]] = {}  # rollout id -> components it trains without
         self._waiting: set[str] = set()
+        self._held: dict[str, tuple[str, ...]] = {}  # rollout id -> (config hash, components pending here)
+        self._warned: set[str] = set()  # configuration hashes whose pending rankings were reported
 
     def _counts(self, r: Reward) -> bool:
         """Whether a stored reward is of the version trained on (a person's or the agent's always are)."""
         return self.policy.version is None or r.config_hash in (None, self.policy.version)
 
     def review(self, members: Sequence[Rollout], now: float | None = None) -> list[Rollout] | None:
-        """The group as the trainer should see it (final rewards of the version; rollouts skipped
-        at a deadline have none, their reason in `reasons`), or None while it waits."""
-        if not self.policy.reads_rewards:
-            return list(members)
+        """`review_groups` of one group."""
+        return self.review_groups([members], now)[0]
+
+    def review_groups(self, groups: Sequence[Sequence[Rollout]], now: float | None = None
+                      ) -> list[list[Rollout] | None]:
+        """Each group as the trainer should see it (final rewards of the version; rollouts skipped
+        at a deadline have none, their reason in `reasons`), or None while it waits. The groups
+        that need the configuration's scoring are scored together (the judge ranks them at once)."""
         now = time.time() if now is None else now
-        stored: Mapping[str, Sequence[Reward]] = self.store.rewards_for([r.id for r in members])
+        self._held = {}  # a gauge: the rollouts held at this collect
+        stored = self._read(groups)
+        calls = self._calls_of_step_components(groups, stored)
+        late = [None if self._held_for_ranking(g, stored) else self._deadlines(g, stored, calls, now) for g in groups]
+        if self._held:
+            self._report_held()
+        unscored = [g for g, lt in zip(groups, late) if lt is not None and self._unscored(g, stored)]
+        fresh: dict[str, Rollout] = {}
+        if unscored:
+            fresh, stored = self._rank(unscored, stored)
+        out: list[list[Rollout] | None] = []
+        for members, late_by_id in zip(groups, late):
+            if late_by_id is None:
+                out.append(None)
+            elif not self.policy.reads_rewards:
+                out.append(list(members))
+            else:
+                out.append([self._reviewed(fresh.get(r.id, r), stored, late_by_id[r.id]) for r in members])
+        return out
+
+    def _read(self, groups: Sequence[Sequence[Rollout]]) -> dict[str, Sequence[Reward]]:
+        """The stored rewards of the members the policy reads (without one: those lacking a final
+        reward, to tell a pending ranking from no reward)."""
+        reads = self.policy.reads_rewards
+        ids = [r.id for g in groups for r in g if reads or r.final_reward is None]
+        return dict(self.store.rewards_for(ids)) if ids else {}
+
+    def _deadlines(self, members: Sequence[Rollout], stored: Mapping[str, Sequence[Reward]],
+                   calls: Mapping[str | None, Sequence[LLMCall]], now: float) -> dict[str, list[str]] | None:
+        """Per member the awaited components past their deadline, or None while one is still to come."""
         late_by_id: dict[str, list[str]] = {}
         for r in members:
             rewards = [x for x in stored.get(r.id, []) if self._counts(x)]
-            missing = [n for n in self.policy.wait_for if not any(x.name == n for x in rewards)]
+            missing = [n for n in self.policy.wait_for if not _arrived(n, rewards, calls.get(r.id, ()))]
             late = [n for n in missing if now - (r.ended_at or r.created_at) > self.policy.wait_for[n]]
             if len(late) < len(missing):
                 self._waiting.add(r.id)
             else:
                 self._waiting.discard(r.id)
                 late_by_id[r.id] = late
-        if len(late_by_id) < len(members):
-            return None
-        if self._unscored(members, stored):
-            members, stored = self._rank(members)
-        out = []
+        return late_by_id if len(late_by_id) == len(members) else None
+
+    def _calls_of_step_components(self, groups: Sequence[Sequence[Rollout]], stored: Mapping[str, Sequence[Reward]]
+                                  ) -> Mapping[str | None, Sequence[LLMCall]]:
+        """The trained calls of the members with a per-call reward of an awaited component (one query)."""
+        ids = [r.id for g in groups for r in g
+               if any(x.call_index is not None and x.name in self.policy.wait_for for x in stored.get(r.id, []))]
+        return self.store.calls_for(ids, training_only=True) if ids else {}
+
+    def _held_for_ranking(self, members: Sequence[Rollout], stored: Mapping[str, Sequence[Reward]]) -> bool:
+        """Whether a member waits for its group's ranking under a configuration this trainer was not
+        given (scored as it ended, e.g. by wrap() or the gateway): the group then waits, kept for a
+        trainer with `--reward-config` or `rewards rescore`, instead of being skipped as unrewarded."""
+        if self.scorer is not None:  # this trainer scores every group itself
+            return False
+        held = False
         for r in members:
-            rewards = [x for x in stored.get(r.id, []) if self._counts(x)]
-            late = late_by_id[r.id]
-            r = self._versioned(r, rewards)
-            if late and self.policy.on_deadline == "skip":
-                self.reasons[r.id] = f"late_{late[0]}"
-                r = replace(r, final_reward=None)
-            else:
-                self._without[r.id] = late
-            out.append(r)
-        return out
+            pending = _pending(stored.get(r.id, []), self.policy.version) if self._lacks_final(r, stored) else None
+            if pending is not None:
+                self._held[r.id] = pending
+                held = True
+        return held
+
+    def _lacks_final(self, r: Rollout, stored: Mapping[str, Sequence[Reward]]) -> bool:
+        if self.policy.version is None:
+            return r.final_reward is None
+        return not any(x.name == FINAL and x.config_hash == self.policy.version for x in stored.get(r.id, []))
+
+    def _report_held(self) -> None:
+        """Once per configuration: a warning naming the fix, and an event in the store."""
+        by_hash: dict[str, list[str]] = {}
+        for rid, (h, *_names) in self._held.items():
+            by_hash.setdefault(h, []).append(rid)
+        for h, ids in by_hash.items():
+            if h in self._warned:
+                continue
+            self._warned.add(h)
+            names = sorted({n for rid in ids for n in self._held[rid][1:]})
+            msg = (f"{len(ids)} rollouts were scored as they ended under reward configuration {h}, whose "
+                   f"{', '.join(names)} ranks a group and is computed only where groups exist; this trainer was "
+                   f"started without that configuration, so they wait (held, not trained nor skipped). Fix: "
+                   f"restart the trainer with --reward-config FILE (the configuration of hash {h}; it ranks "
+                   f"each ready group), or run `lightning-mw rewards rescore --store URL --config FILE`")
+            log.warning("%s", msg)
+            self.store.add_event(Event(kind="rewards_pending", message=msg, source=self.source,
+                                       data={"config_hash": h, "pending": names, "rollouts": len(ids)}))
+
+    def _reviewed(self, r: Rollout, stored: Mapping[str, Sequence[Reward]], late: list[str]) -> Rollout:
+        r = self._versioned(r, [x for x in stored.get(r.id, []) if self._counts(x)])
+        if late and self.policy.on_deadline == "skip":
+            self.reasons[r.id] = f"late_{late[0]}"
+            return replace(r, final_reward=None)
+        self._without[r.id] = late
+        return r
 
     def _unscored(self, members: Sequence[Rollout], stored: Mapping[str, Sequence[Reward]]) -> bool:
         """A member has neither a final reward of the configuration nor its ranking judge's value."""
@@ -121,20 +210,25 @@ class RewardGate:
         return any(not any(x.config_hash == h and x.name in (RANK_JUDGE, FINAL) for x in stored.get(r.id, []))
                    for r in members)
 
-    def _rank(self, members: Sequence[Rollout]) -> tuple[list[Rollout], Mapping[str, Sequence[Reward]]]:
-        """Score the group under the configuration (a ranking judge ranks it once); the members as stored now."""
+    def _rank(self, groups: Sequence[Sequence[Rollout]], stored: Mapping[str, Sequence[Reward]]
+              ) -> tuple[dict[str, Rollout], dict[str, Sequence[Reward]]]:
+        """Score the groups under the configuration (a ranking judge ranks each once, the groups
+        concurrently); the members and their rewards as stored now."""
         assert self.scorer is not None
-        trajectories = load_trajectories(self.store, members)
-        scored, ranking = self.scorer.score_group(trajectories)
-        for t, one in zip(trajectories, scored):
-            self.scorer.store_scored(self.store, t, apply="unconsumed", scored=one)
-        if ranking is not None:
-            self._ranking.update(groups=bool(ranking.values), failed=ranking.error is not None,
-                                 groups_of_one=ranking.note is not None, unparseable=ranking.unparseable)
-            if ranking.error is not None:
-                self.reasons.update({r.id: "rank_judge_failed" for r in members})
-        fresh = [self.store.get_rollout(r.id) or r for r in members]
-        return fresh, self.store.rewards_for([r.id for r in members])
+        t0 = time.perf_counter()
+        trajectories = [load_trajectories(self.store, g) for g in groups]
+        for members, group, (scored, ranking) in zip(groups, trajectories, self.scorer.score_groups(trajectories)):
+            for t, one in zip(group, scored):
+                self.scorer.store_scored(self.store, t, apply="unconsumed", scored=one)
+            if ranking is not None:
+                self._ranking.update(groups=bool(ranking.values), failed=ranking.error is not None,
+                                     groups_of_one=ranking.note is not None, unparseable=ranking.unparseable)
+                if ranking.error is not None:
+                    self.reasons.update({r.id: "rank_judge_failed" for r in members})
+        self._judge_s += time.perf_counter() - t0
+        ids = [r.id for g in groups for r in g]
+        fresh = {r.id: self.store.get_rollout(r.id) or r for g in groups for r in g}
+        return fresh, {**stored, **self.store.rewards_for(ids)}
 
     def _versioned(self, r: Rollout, rewards: Sequence[Reward]) -> Rollout:
         if self.policy.version is None:
@@ -168,6 +262,12 @@ class RewardGate:
         out.update({f"rewards_trained_without_{n}": float(k) for n, k in without.items()})
         if self.policy.wait_for:
             out["rewards_waiting"] = float(len(self._waiting))
+        if self._warned:  # rollouts held for a ranking this trainer cannot do (zero once recovered)
+            pending = Counter(n for _h, *names in self._held.values() for n in names)
+            out.update({f"rewards_pending_{n}": float(pending[n]) for n in sorted(set(pending) | {RANK_JUDGE})})
+        if self.scorer is not None:
+            out["reward_judge_s"] = self._judge_s
+            self._judge_s = 0.0
         if self.scorer is not None and self.scorer.config.rank_judge is not None:
             out.update({f"rank_judge_{k}": float(self._ranking[k])
                         for k in ("groups", "failed", "groups_of_one", "unparseable")})
@@ -175,6 +275,32 @@ class RewardGate:
         for r in rollouts:
             self.reasons.pop(r.id, None)
         return out
+
+
+def _arrived(name: str, rewards: Sequence[Reward], calls: Sequence[LLMCall]) -> bool:
+    """Whether an awaited component is in: a reward of that name; for a per-call component (its
+    rewards carry a call index) one for every trained call it applies to (the calls of the agents
+    its rewards name, else all of them): a per-step judge has then scored the whole rollout."""
+    mine = [x for x in rewards if x.name == name]
+    steps = [x for x in mine if x.call_index is not None]
+    if not steps:
+        return bool(mine)
+    agents = {x.agent for x in steps}
+    wanted = {c.call_index for c in calls if None in agents or c.agent_name in agents}
+    return wanted <= {x.call_index for x in steps}
+
+
+def _pending(rewards: Sequence[Reward], version: str | None) -> tuple[str, ...] | None:
+    """(configuration hash, components...) of a ranking still pending (the latest of its marker,
+    final reward and errors under that hash is the marker), under `version` if given; else None."""
+    latest: dict[str, Reward] = {}
+    for x in rewards:
+        if x.config_hash is not None and x.name in (PENDING, FINAL, ERRORS) and version in (None, x.config_hash):
+            latest[x.config_hash] = x
+    for h, x in latest.items():
+        if x.name == PENDING:
+            return (h, *[str(n) for n in (x.metadata.get("pending") or [RANK_JUDGE])])
+    return None
 
 
 def _group_scorer(policy: RewardPolicy) -> Scorer | None:

@@ -70,7 +70,7 @@ class TrainerDaemon:
         self._stop = threading.Event()
         self._closed = threading.Event()
         self.health = HealthChecks(config.health)
-        self.rewards = RewardGate(self.store, config.rewards)
+        self.rewards = RewardGate(self.store, config.rewards, source=config.trainer_id)
         self.credit = TurnCredit(self.store, config.credit, config.credit_gamma)
         self.evaluation = (PeriodicEvaluation(config.eval, self.store, config.checkpoint_dir)
                            if config.eval is not None else None)
@@ -169,8 +169,7 @@ class TrainerDaemon:
         ids = [r.id for m in groups for r in m]
         per_agent = self.store.agent_rewards(ids) if g.skip_uniform and isinstance(self.engine, RoutesRows) else {}
         per_step = self.credit.step_rewards(ids) if g.skip_uniform else {}  # per-turn: steps are signal too
-        for ready in groups:
-            reviewed = self.rewards.review(ready)
+        for reviewed in self.rewards.review_groups(groups):  # a ranking judge ranks them concurrently
             if reviewed is None:  # a configured component is still to come: the group waits
                 continue
             members = reviewed

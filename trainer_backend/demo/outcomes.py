@@ -104,13 +104,14 @@ def step_outcomes(store: TraceStore | None, new: Sequence[RolloutResult]) -> dic
 def report_line(res: dict[str, Any]) -> str:
     """Tool calls per held-out rollout before and after RL, the hacking rate at the end of RL
     (when guards ran) and the reward configuration's hash: the demo's closing summary."""
-    nan = float("nan")
     before, after = res["before"]["sampled"], res["after"]["sampled"]
-    line = (f"tool calls per held-out rollout: {before.get('tool_calls_mean', nan):.2f} -> "
-            f"{after.get('tool_calls_mean', nan):.2f}")
+    parts = []
+    if "tool_calls_mean" in before and "tool_calls_mean" in after:  # tasks without outcomes (team) have none
+        parts.append(f"tool calls per held-out rollout: {before['tool_calls_mean']:.2f} -> "
+                     f"{after['tool_calls_mean']:.2f}")
     rl = res.get("rl_summary", {}).get("last_steps", {})
     if "hacking_rate" in rl:
-        line += f"; hacking rate of the train rollouts (last quarter of RL): {rl['hacking_rate']:.1%}"
+        parts.append(f"hacking rate of the train rollouts (last quarter of RL): {rl['hacking_rate']:.1%}")
     if res.get("rewards"):
-        line += f"; reward configuration {res['rewards']['hash']}"
-    return line
+        parts.append(f"reward configuration {res['rewards']['hash']}")
+    return "; ".join(parts)

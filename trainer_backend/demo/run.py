@@ -275,7 +275,8 @@ class DemoRun:
         if "greedy" in before:
             say(f"held-out success, greedy:        {before['greedy']['success']:.1%} -> "
                 f"{after['greedy']['success']:.1%}")
-        say(report_line(res))
+        if line := report_line(res):
+            say(line)
         say(f"{res['steps']} steps, {res['trained_rollouts']} rollouts trained in {self.timings['rl_s'] / 60:.1f} min; "
             f"curve: {self.out / 'reward_curve.png'}")
         return res

@@ -157,6 +157,9 @@ def server_env(device: str, kv_cache_gib: float, pythonpath: Path) -> dict[str, 
         HF_HOME=str(home / "hf-home"),
         PYTHONPATH=os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH", "")])),
     )
+    # vLLM's uvicorn closes idle connections after 5 s, when the agents' httpx pools (5 s) may
+    # still reuse them: a request on such a socket fails before vLLM reads it (docs/gateway.md).
+    env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "75")
     if device == "cpu":
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))
     # The launching process may run inside another venv: do not leak it.

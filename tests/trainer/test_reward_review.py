@@ -1,0 +1,178 @@
+"""The daemon's reward review beyond versions and deadlines (test_reward_gate.py): a ranking that
+only a trainer with the configuration can do (held loudly, not skipped), ready groups ranked
+concurrently with the judge's time as a step metric, and a per-call component awaited for every
+call. Real rollouts on the test LLM server, a real judge on loopback, the real store and TorchEngine."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import openai
+import pytest
+
+pytest.importorskip("torch")
+
+from lightning_middleware import Reward, RewardConfig, TraceStore, rollout, wrap  # noqa: E402
+from lightning_middleware.rewards import rescore  # noqa: E402
+from lightning_middleware.testing import LLMTestServer  # noqa: E402
+from tests.rewards.ranking_judge import candidates, ranking_judge  # noqa: E402
+from tests.trainer import test_daemon  # noqa: E402
+from tests.trainer.test_daemon import make_daemon, run_rollouts  # noqa: E402
+from trainer_backend.daemon.config import GroupPolicy  # noqa: E402
+from trainer_backend.daemon.reward_gate import RewardGate, RewardPolicy  # noqa: E402
+
+model_dir = test_daemon.model_dir  # the same tiny byte-level model (a module-scoped fixture)
+
+TASKS: dict[str, list[float]] = {"a": [1, 0, 1, 0], "b": [0, 0, 1, 1]}
+
+
+def _in_order(body: dict[str, Any]) -> str:
+    return "Ranking: " + " > ".join(candidates(body))
+
+
+def _scored_as_they_end(server: LLMTestServer, store: TraceStore, cfg: RewardConfig) -> None:
+    """Two-turn rollouts scored under `cfg` as they end (what wrap()'s or the gateway's config does)."""
+    client = wrap(openai.OpenAI(base_url=server.base_url, api_key="x"), store=store)
+    for task, rewards in TASKS.items():
+        for i, reward in enumerate(rewards):
+            with rollout(task, store=store, rewards=cfg) as r:
+                out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"{task} {i}"}],
+                                                     max_tokens=12)
+                client.chat.completions.create(model="m", max_tokens=12, messages=[
+                    {"role": "user", "content": f"{task} {i}"},
+                    {"role": "assistant", "content": out.choices[0].message.content},
+                    {"role": "user", "content": "again"}])
+                r.reward(reward)
+
+
+def test_a_ranking_the_trainer_cannot_do_is_held_loudly_until_it_is_done(llm_server, store: TraceStore, model_dir,
+                                                                        tmp_path, caplog) -> None:
+    with ranking_judge(_in_order) as judge:
+        cfg = RewardConfig.from_dict({"rules": {"agent_reward": 1.0},
+                                      "rank_judge": {"url": judge.url, "model": "j"}})
+        _scored_as_they_end(llm_server, store, cfg)
+        for r in store.query_rollouts():  # the ranking is pending, and the rollout says so
+            assert r.final_reward is None
+            [marker] = [x for x in store.rewards(r.id) if x.name == "reward_pending"]
+            assert marker.config_hash == cfg.hash and marker.metadata["pending"] == ["rank_judge"]
+        daemon = make_daemon(store, model_dir, tmp_path)  # started without --reward-config
+        with caplog.at_level(logging.WARNING, logger="trainer_backend.daemon.reward_gate"):
+            assert daemon.step_once() is None and daemon.step_once() is None
+        # held: not skipped as no_reward (that would consume them for good), nothing claimed
+        assert not daemon.skipped_total and store.query_rollouts(consumed=True) == []
+        assert store.query_rollouts(claimed=True) == []
+        [warning] = [x.getMessage() for x in caplog.records if "reward configuration" in x.getMessage()]
+        assert "8 rollouts" in warning and cfg.hash in warning and "rank_judge" in warning
+        assert "--reward-config FILE" in warning and "lightning-mw rewards rescore" in warning
+        [event] = store.events(kind="rewards_pending")
+        assert event.source == "trainer-0"
+        assert event.data == {"config_hash": cfg.hash, "pending": ["rank_judge"], "rollouts": 8}
+        # told to train on that version, but without the configuration: held the same way
+        groups = [store.query_rollouts(task_id=t) for t in TASKS]
+        assert RewardGate(store, RewardPolicy(version=cfg.hash)).review_groups(groups) == [None, None]
+        assert judge.seen == []
+        report = rescore(store, cfg)  # the fix the warning names (or a restart with --reward-config)
+        assert report.groups_ranked == 2 and len(judge.seen) == 2
+    result = daemon.step_once()
+    assert result is not None
+    m = result.metrics
+    assert m["n_rollouts"] == 8 and m["rewards_pending_rank_judge"] == 0.0  # recovered: none held any more
+    assert len(store.events(kind="rewards_pending", source="trainer-0")) == 1  # the daemon reported it once
+
+
+def test_ready_groups_are_ranked_concurrently_and_the_judge_time_is_a_metric(llm_server, store: TraceStore,
+                                                                              model_dir, tmp_path) -> None:
+    latency, lock = 2.0, threading.Lock()
+    inflight, peak = [0], [0]
+
+    def slow(body: dict[str, Any]) -> str:
+        with lock:
+            inflight[0] += 1
+            peak[0] = max(peak[0], inflight[0])
+        time.sleep(latency)
+        with lock:
+            inflight[0] -= 1
+        return _in_order(body)
+
+    run_rollouts(llm_server, store, {t: [1, 0, 1, 0] for t in "abcd"})
+    with ranking_judge(slow) as judge:
+        cfg = RewardConfig.from_dict({"rules": {"agent_reward": 1.0},
+                                      "rank_judge": {"url": judge.url, "model": "j", "concurrency": 4}})
+        daemon = make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg),
+                             group=GroupPolicy(group_size=4, groups_per_step=4, min_group_size=2))
+        t0 = time.perf_counter()
+        batch = daemon.collect()
+        collect_s = time.perf_counter() - t0
+        assert batch is not None and len(judge.seen) == 4 and peak[0] == 4  # all four groups asked at once
+    result = daemon.train(batch)
+    assert result is not None
+    m = result.metrics
+    assert m["rank_judge_groups"] == 4 and m["n_rollouts"] == 16
+    # about one judge latency, not the sum of four (8 s)
+    assert latency <= m["reward_judge_s"] < 2 * latency and collect_s < 2 * latency + 1.0
+    print(f"4 groups, judge latency {latency} s: reward_judge_s {m['reward_judge_s']:.2f}, collect {collect_s:.2f} s")
+
+
+def test_a_per_call_component_is_awaited_for_every_call(llm_server, store: TraceStore, model_dir, tmp_path) -> None:
+    run_rollouts(llm_server, store, TASKS)
+    rollouts = store.query_rollouts()
+    calls = store.calls_for([r.id for r in rollouts], training_only=True)
+    assert all(sorted({c.call_index for c in calls[r.id]}) == [0, 1] for r in rollouts)
+    daemon = make_daemon(store, model_dir, tmp_path, credit="per-turn",
+                         rewards=RewardPolicy(wait_for={"step_judge": 3600}))
+    for r in rollouts:  # a per-step judge's verdicts arrive late, the first call's first
+        store.add_reward(Reward(r.id, 0.5, name="step_judge", final=False, call_index=0))
+    assert daemon.step_once() is None and store.query_rollouts(claimed=True) == []  # call 1 is still to come
+    for i, r in enumerate(rollouts):
+        store.add_reward(Reward(r.id, float(i % 3), name="step_judge", final=False, call_index=1))
+    result = daemon.step_once()
+    assert result is not None
+    m = result.metrics
+    assert m["n_rollouts"] == 8 and m["rewards_waiting"] == 0 and m["step_rewards_used"] == 16
+    assert not any(k.startswith("rewards_trained_without") for k in m)
+
+
+def test_a_per_call_component_past_its_deadline_trains_without_the_rest(llm_server, store: TraceStore, model_dir,
+                                                                        tmp_path) -> None:
+    run_rollouts(llm_server, store, TASKS)
+    for r in store.query_rollouts():  # only the first call was judged
+        store.add_reward(Reward(r.id, 0.5, name="step_judge", final=False, call_index=0))
+    daemon = make_daemon(store, model_dir, tmp_path, credit="per-turn",
+                         rewards=RewardPolicy(wait_for={"step_judge": 0.0}))
+    result = daemon.step_once()
+    assert result is not None
+    assert result.metrics["rewards_trained_without_step_judge"] == 8 and result.metrics["step_rewards_used"] == 8
+
+
+def test_a_per_call_component_of_one_agent_waits_for_that_agents_calls(llm_server, store: TraceStore) -> None:
+    from lightning_middleware import agent_scope
+
+    client = wrap(openai.OpenAI(base_url=llm_server.base_url, api_key="x"), store=store)
+    for i in range(2):
+        with rollout("review", store=store) as r:
+            for agent in ("coder", "reviewer", "reviewer"):  # calls 0, 1, 2
+                with agent_scope(agent):
+                    client.chat.completions.create(model="m", messages=[{"role": "user", "content": agent}],
+                                                   max_tokens=8)
+            r.reward(float(i))
+    group = store.query_rollouts(task_id="review")
+    by_agent = RewardGate(store, RewardPolicy(wait_for={"review_judge": 3600}))
+    every_turn = RewardGate(store, RewardPolicy(wait_for={"turn_judge": 3600}))
+    for r in group:  # the reviewer's judge scored the reviewer's first call; a judge of every turn, call 2
+        store.add_reward(Reward(r.id, 1.0, name="review_judge", final=False, call_index=1, agent="reviewer"))
+        store.add_reward(Reward(r.id, 1.0, name="turn_judge", final=False, call_index=2))
+    assert by_agent.review_groups([group]) == [None] and every_turn.review_groups([group]) == [None]
+    for r in group:  # the reviewer's last call: review_judge is in (the coder's call is none of its business)
+        store.add_reward(Reward(r.id, 1.0, name="review_judge", final=False, call_index=2, agent="reviewer"))
+    [reviewed] = by_agent.review_groups([group])
+    assert reviewed is not None and len(reviewed) == 2
+    assert by_agent.step_metrics(reviewed)["rewards_waiting"] == 0
+    assert every_turn.review_groups([group]) == [None]  # turn_judge still lacks calls 0 and 1
+    for r in group:
+        for k in (0, 1):
+            store.add_reward(Reward(r.id, 0.5, name="turn_judge", final=False, call_index=k))
+    [reviewed] = every_turn.review_groups([group])
+    assert reviewed is not None and every_turn.step_metrics(reviewed)["rewards_waiting"] == 0
