@@ -6,7 +6,9 @@ tokens/s, on the tiny model and on SmolLM2-135M's shape (random weights, no down
     .venv/bin/python bench/bench_lora.py --models tiny --swaps 3
 
 Prints a table and one JSON line. The pause is `PublishResult.paused_s`: engine paused -> resumed,
-what requests in flight feel. Each swap publishes a different checkpoint (alternating two).
+what requests in flight feel; its parts (the reload or adapter load, the prefix-cache reset, the
+version tag, the resume) are reported as medians too. Each swap publishes a different checkpoint
+(alternating two). ~6 minutes on the 2-core machine when it is quiet, mostly the 135M training.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# trainer_backend before torch: importing it makes torch's OpenMP threads wait passively
+import trainer_backend  # noqa: E402,F401
+
+# isort: split
 import torch  # noqa: E402
 
 from trainer_backend.engines.lora import AdapterConfig  # noqa: E402
@@ -77,19 +83,29 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def swap_pauses(model_dir: Path, variants: list[Path], adapters: list[Path], swaps: int, d: Path) -> dict:
+def swap_pauses(model_dir: Path, variants: list[Path], adapters: list[Path], swaps: int, d: Path,
+                startup_timeout: float) -> dict:
     server = VLLMServer(model_dir, served_model_name="base", dtype="float32", max_lora_rank=RANK, max_loras=2,
-                        log_path=d / f"vllm-{model_dir.name}.log")
+                        log_path=d / f"vllm-{model_dir.name}.log", startup_timeout=startup_timeout)
     with server:
         full = WeightPublisher(server.url)
         lora = WeightPublisher(server.url, adapter_name="policy")
         lora.publish(adapters[0], 0)  # first load (not in place) left out of the figures
-        full_p = [full.publish(variants[i % 2], 100 + i).paused_s for i in range(swaps)]
-        lora_p = [lora.publish(adapters[i % 2], 200 + i).paused_s for i in range(swaps)]
+        full_r = [full.publish(variants[i % 2], 100 + i) for i in range(swaps)]
+        lora_r = [lora.publish(adapters[i % 2], 200 + i) for i in range(swaps)]
         full.publish(model_dir, 999)
-    return {"full_ms": 1e3 * statistics.median(full_p), "lora_ms": 1e3 * statistics.median(lora_p),
-            "full_all_ms": [round(1e3 * x, 1) for x in full_p], "lora_all_ms": [round(1e3 * x, 1) for x in lora_p],
-            "startup_s": server.startup_s}
+    out: dict = {"startup_s": server.startup_s}
+    for label, results in (("full", full_r), ("lora", lora_r)):
+        out[f"{label}_ms"] = _median_ms(results, "paused_s")
+        out[f"{label}_all_ms"] = [round(1e3 * r.paused_s, 1) for r in results]
+        # what the pause is made of; engine_pause_s (waiting for the engine to pause) comes before it
+        out[f"{label}_parts_ms"] = {part: round(_median_ms(results, f"{part}_s"), 2)
+                                    for part in ("engine_pause", "reload", "reset_cache", "tag", "resume")}
+    return out
+
+
+def _median_ms(results: list, field: str) -> float:
+    return 1e3 * statistics.median(getattr(r, field) for r in results)
 
 
 def adapters_for(model_dir: Path, d: Path, vocab: int) -> list[Path]:
@@ -107,10 +123,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="tiny,smollm2-135M")
     ap.add_argument("--swaps", type=int, default=5)
+    ap.add_argument("--train-steps", type=int, default=3, help="timed training steps per cell (best of)")
+    # The 135M server's worker took 3.5 min to start at load 17 on the 2-core machine (300 s: too short).
+    ap.add_argument("--startup-timeout", type=float, default=900.0)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     kinds = sorted(set(os.popen("grep -o 'avx512_bf16\\|avx2' /proc/cpuinfo").read().split()))
-    print(f"CPU flags: {', '.join(kinds)}; torch threads {torch.get_num_threads()}; load {os.getloadavg()[0]:.2f}")
+    print(f"CPU flags: {', '.join(kinds)}; torch threads {torch.get_num_threads()}; OMP_WAIT_POLICY"
+          f" {os.environ.get('OMP_WAIT_POLICY')}; load {os.getloadavg()[0]:.2f}", flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
@@ -118,15 +138,19 @@ def main() -> None:
             base = build_tiny_model(d / name, seed=0) if name == "tiny" else smollm2_shape(d / name)
             vocab = json.loads((base / "config.json").read_text())["vocab_size"]  # the tiny tokenizer's may be < 2048
             variants = [reinit_weights(base, d / f"{name}-v{i}", seed=10 + i) for i in (1, 2)]
-            res = swap_pauses(base, variants, adapters_for(base, d, vocab), args.swaps, d)
+            res = swap_pauses(base, variants, adapters_for(base, d, vocab), args.swaps, d, args.startup_timeout)
             for label, adapter in (("full", None), ("lora", AdapterConfig(rank=RANK))):
-                res[f"train_{label}_fp32_tok_s"] = train_rate(base, vocab, adapter, "fp32")
-                res[f"train_{label}_auto_tok_s"] = train_rate(base, vocab, adapter, "auto")
+                for precision in ("fp32", "auto"):
+                    res[f"train_{label}_{precision}_tok_s"] = train_rate(base, vocab, adapter, precision,
+                                                                         args.train_steps)
             results[name] = res
             r = {k: round(v) for k, v in res.items() if k.startswith("train_")}
+            res["load_after"] = round(os.getloadavg()[0], 2)
             print(f"{name:14s} swap pause: full reload {res['full_ms']:7.1f} ms, adapter {res['lora_ms']:6.1f} ms"
                   f" | train tok/s fp32: full {r['train_full_fp32_tok_s']}, lora {r['train_lora_fp32_tok_s']};"
-                  f" auto: full {r['train_full_auto_tok_s']}, lora {r['train_lora_auto_tok_s']}")
+                  f" auto: full {r['train_full_auto_tok_s']}, lora {r['train_lora_auto_tok_s']}"
+                  f" | load {res['load_after']}", flush=True)
+            print(f"{'':14s} parts (ms): full {res['full_parts_ms']}; adapter {res['lora_parts_ms']}", flush=True)
     print(f"load at the end {os.getloadavg()[0]:.2f}")
     print(json.dumps(results))
 

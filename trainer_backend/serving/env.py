@@ -19,6 +19,8 @@ import subprocess
 import venv
 from pathlib import Path
 
+from trainer_backend import OMP_WAIT_DEFAULTED
+
 log = logging.getLogger(__name__)
 
 
@@ -162,4 +164,6 @@ def server_env(device: str, kv_cache_gib: float, pythonpath: Path) -> dict[str, 
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))
     # The launching process may run inside another venv: do not leak it.
     env.pop("VIRTUAL_ENV", None)
+    if OMP_WAIT_DEFAULTED:  # the trainer's passive OpenMP default is for torch training, not vLLM's engine
+        env.pop("OMP_WAIT_POLICY", None)
     return env
