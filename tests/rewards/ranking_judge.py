@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,6 +44,22 @@ def by_errors(body: dict[str, Any]) -> str:
     good = [c for c, text in cands.items() if "error" not in text.lower()]
     bad = [c for c in cands if c not in good]
     return "Ranking: " + " > ".join(" = ".join(tier) for tier in (good, bad) if tier) + ". Errors rank last."
+
+
+def slow(script: Script, latency: float, peak: list[int]) -> Script:
+    """`script`, answering after `latency` s; `peak[0]` records the most requests in flight at once."""
+    lock, inflight = threading.Lock(), [0]
+
+    def answer(body: dict[str, Any]) -> str:
+        with lock:
+            inflight[0] += 1
+            peak[0] = max(peak[0], inflight[0])
+        time.sleep(latency)
+        with lock:
+            inflight[0] -= 1
+        return script(body)
+
+    return answer
 
 
 def _handler(judge: Judge) -> type[BaseHTTPRequestHandler]:

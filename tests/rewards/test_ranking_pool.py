@@ -4,17 +4,14 @@ Real rollouts in the real store, a real judge server on loopback."""
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 from lightning_middleware import RewardConfig, TraceStore, rollout
 from lightning_middleware.rewards import ConfigError, rescore
 from tests.rewards.helpers import client_for, tool_agent
-from tests.rewards.ranking_judge import by_errors, ranking_judge
+from tests.rewards.ranking_judge import by_errors, ranking_judge, slow
 
 
 def _groups(store: TraceStore, tasks: str) -> None:
@@ -25,25 +22,10 @@ def _groups(store: TraceStore, tasks: str) -> None:
                 tool_agent(client, "fix it", result)
 
 
-def _slow(latency: float, peak: list[int]) -> Callable[[dict[str, Any]], str]:
-    lock, inflight = threading.Lock(), [0]
-
-    def answer(body: dict[str, Any]) -> str:
-        with lock:
-            inflight[0] += 1
-            peak[0] = max(peak[0], inflight[0])
-        time.sleep(latency)
-        with lock:
-            inflight[0] -= 1
-        return by_errors(body)
-
-    return answer
-
-
 def test_at_most_concurrency_groups_are_asked_at_once(store: TraceStore) -> None:
     _groups(store, "abc")
     peak = [0]
-    with ranking_judge(_slow(0.5, peak)) as judge:
+    with ranking_judge(slow(by_errors, 0.5, peak)) as judge:
         cfg = RewardConfig.from_dict({"rules": {"tool_call_valid": 1.0},
                                       "rank_judge": {"url": judge.url, "model": "j", "concurrency": 2}})
         report = rescore(store, cfg)
@@ -52,7 +34,7 @@ def test_at_most_concurrency_groups_are_asked_at_once(store: TraceStore) -> None
 
 def test_a_ranking_past_its_deadline_is_the_groups_error(store: TraceStore) -> None:
     _groups(store, "a")
-    with ranking_judge(_slow(3.0, [0])) as judge:
+    with ranking_judge(slow(by_errors, 3.0, [0])) as judge:
         cfg = RewardConfig.from_dict({"rules": {"tool_call_valid": 1.0}, "rank_judge": {
             "url": judge.url, "model": "j", "timeout_s": 30, "retries": 2, "deadline_s": 0.5}})
         t0 = time.perf_counter()

@@ -142,7 +142,7 @@ def test_loss_and_gradient_equal_the_torch_engines_lora(verl_run, adapter_dir, r
 
 
 @pytest.mark.slow
-def test_the_published_adapter_loads_with_peft_and_changes_greedy_output(verl_run, model_dir, tmp_path):
+def test_the_published_adapter_loads_with_peft_and_changes_the_models_output(verl_run, model_dir, tmp_path):
     out, run_dir = verl_run
     fresh = run_dir / "fresh"
     assert {"adapter_model.safetensors", "adapter_config.json", "verl_state"} <= set(out["fresh"]["saved"])
@@ -159,11 +159,14 @@ def test_the_published_adapter_loads_with_peft_and_changes_greedy_output(verl_ru
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tuned = peft.PeftModel.from_pretrained(
         transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), str(fresh)).eval()
+    # One AdamW step from peft's B = 0 moves every B by ~lr (0.05): the model's distribution moves
+    # (measured max |d log p| 0.54), while an adapter published untrained (B = 0) would be exactly the
+    # base. Whether three greedy continuations flip after one step depends on the random A and was
+    # flaky (one failure in a suite run); the serving test checks greedy output after 15 steps on vLLM.
     prompts = torch.tensor([[5, 17, 42, 9, 7], [3, 3, 8, 21, 30], [40, 2, 11, 6, 19]])
-    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        before, after = base.generate(prompts, **kw), tuned.generate(input_ids=prompts, **kw)
-    assert not torch.equal(before, after), "the trained adapter did not change any greedy continuation"
+        moved = (base(prompts).logits.log_softmax(-1) - tuned(input_ids=prompts).logits.log_softmax(-1)).abs().max()
+    assert float(moved) > 0.01, f"the trained adapter barely changes the model (max |d log p| {float(moved):.2e})"
     # and the torch engine can continue it (same folder format, base found from the adapter's config)
     assert TorchEngine(fresh, TorchEngineConfig(precision="fp32")).is_lora
 

@@ -6,7 +6,6 @@ call. Real rollouts on the test LLM server, a real judge on loopback, the real s
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
@@ -18,7 +17,7 @@ pytest.importorskip("torch")
 from lightning_middleware import Reward, RewardConfig, TraceStore, rollout, wrap  # noqa: E402
 from lightning_middleware.rewards import rescore  # noqa: E402
 from lightning_middleware.testing import LLMTestServer  # noqa: E402
-from tests.rewards.ranking_judge import candidates, ranking_judge  # noqa: E402
+from tests.rewards.ranking_judge import candidates, ranking_judge, slow  # noqa: E402
 from tests.trainer import test_daemon  # noqa: E402
 from tests.trainer.test_daemon import make_daemon, run_rollouts  # noqa: E402
 from trainer_backend.daemon.config import GroupPolicy  # noqa: E402
@@ -85,20 +84,9 @@ def test_a_ranking_the_trainer_cannot_do_is_held_loudly_until_it_is_done(llm_ser
 
 def test_ready_groups_are_ranked_concurrently_and_the_judge_time_is_a_metric(llm_server, store: TraceStore,
                                                                               model_dir, tmp_path) -> None:
-    latency, lock = 2.0, threading.Lock()
-    inflight, peak = [0], [0]
-
-    def slow(body: dict[str, Any]) -> str:
-        with lock:
-            inflight[0] += 1
-            peak[0] = max(peak[0], inflight[0])
-        time.sleep(latency)
-        with lock:
-            inflight[0] -= 1
-        return _in_order(body)
-
+    latency, peak = 2.0, [0]
     run_rollouts(llm_server, store, {t: [1, 0, 1, 0] for t in "abcd"})
-    with ranking_judge(slow) as judge:
+    with ranking_judge(slow(_in_order, latency, peak)) as judge:
         cfg = RewardConfig.from_dict({"rules": {"agent_reward": 1.0},
                                       "rank_judge": {"url": judge.url, "model": "j", "concurrency": 4}})
         daemon = make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg),
