@@ -5,8 +5,12 @@ each label is stored as a reward named "human" (docs/rewards.md, "Human feedback
 
 Routes: `GET /` (the page), `GET /api/next` (the next rollout to score), `GET /api/pair` (two
 rollouts of one task to compare), `GET /api/rollouts/{id}`, `POST /api/rollouts/{id}/score`
-`{"score": 0..1, "labeler", "note"}`, `POST /api/compare` `{"a", "b",
-"winner": "a" | "b" | "tie", "labeler", "note"}`, `GET /api/stats`. With a configuration, the
+`{"score": 0..1, "labeler", "note", "label_id"}`, `POST /api/compare` `{"a", "b",
+"winner": "a" | "b" | "tie", "labeler", "note", "label_id"}`, `GET /api/stats`. A `label_id`
+(the page sends one per rollout or pair shown) makes a double click or a retried POST store its
+label once: the repeat is answered `{"stored": 0, "replayed": true}`; the same id with another
+label is a 409. Checked and stored under one lock, so two concurrent repeats store one label; the
+id is kept with the label, so it also holds after a restart. With a configuration, the
 rollouts its human `interval` picks come first, and each label combines the rollout's final
 reward again (`Scorer.score_rollout`, the reward model not asked again). Without a token only
 loopback clients are served; with one, the API needs `Authorization: Bearer <token>` (the page
@@ -17,7 +21,9 @@ under `/review` (its reward configuration, its token: `http://gateway/review#tok
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -39,6 +45,7 @@ if TYPE_CHECKING:
 MAX_NOTE = 2000
 WINNERS = {"a": (1.0, 0.0), "b": (0.0, 1.0), "tie": (0.5, 0.5)}
 _NOT_COMPONENTS = ("final", "reward_errors", "reward_pending", HUMAN)
+LABEL_ID = "label_id"  # the metadata field a label's label_id is kept in
 
 
 def _view(t: Trajectory, scorer: Scorer | None) -> dict[str, Any]:
@@ -68,6 +75,19 @@ def _message(m: dict[str, Any]) -> dict[str, Any]:
             "tool_calls": calls}
 
 
+def _label_id(body: dict[str, Any]) -> str | None:
+    value = body.get(LABEL_ID)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip() or len(value) > 128:
+        raise HTTPError(400, f"label_id must be 1 to 128 characters, got {value!r}", code="bad_label_id")
+    return value
+
+
+def _with_id(label: Reward, label_id: str | None) -> Reward:
+    return label if label_id is None else dataclasses.replace(label, metadata={**label.metadata, LABEL_ID: label_id})
+
+
 def _text(body: dict[str, Any], key: str, limit: int) -> str | None:
     value = body.get(key)
     if value is None or value == "":
@@ -83,6 +103,7 @@ class Labelling:
     def __init__(self, store: TraceStore, scorer: Scorer | None = None) -> None:
         self.store = store
         self.scorer = scorer
+        self._storing = threading.Lock()  # a label_id's check and its store, as one
 
     @property
     def interval(self) -> int:
@@ -126,8 +147,11 @@ class Labelling:
                             code="rollout_not_found")
         return found
 
-    def _store(self, labels: list[Reward]) -> dict[str, Any]:
-        self.store.add_rewards(labels)
+    def _store(self, labels: list[Reward], label_id: str | None) -> dict[str, Any]:
+        with self._storing:
+            if label_id is not None and self._stored_before(labels, label_id):
+                return {"stored": 0, "replayed": True, "final_rewards": {}}
+            self.store.add_rewards([_with_id(r, label_id) for r in labels])
         finals = {}
         for label in labels:
             final = None
@@ -135,6 +159,17 @@ class Labelling:
                 final = self.scorer.score_rollout(self.store, label.rollout_id, reuse_model=True).scored.final
             finals[label.rollout_id] = final
         return {"stored": len(labels), "final_rewards": finals}
+
+    def _stored_before(self, labels: list[Reward], label_id: str) -> bool:
+        """Whether `label_id` stored these labels already (a 409 if it stored others)."""
+        first = labels[0]
+        stored = self.store.rewards_for([first.rollout_id]).get(first.rollout_id, [])
+        earlier = [r for r in stored if r.name == HUMAN and r.metadata.get(LABEL_ID) == label_id]
+        if not earlier:
+            return False
+        if earlier[0].value != first.value or earlier[0].metadata.get("kind") != first.metadata.get("kind"):
+            raise HTTPError(409, f"label_id {label_id!r} already stored another label", code="label_id_conflict")
+        return True
 
     def score(self, body: dict[str, Any]) -> dict[str, Any]:
         rollout = self._rollout(body, "rollout_id")
@@ -144,7 +179,7 @@ class Labelling:
             raise HTTPError(400, f"score must be a number from 0 to 1, got {value!r}", code="bad_score")
         meta = {"kind": "score", "labeler": _text(body, "labeler", 128), "note": _text(body, "note", MAX_NOTE)}
         return self._store([Reward(rollout.id, float(value), name=HUMAN, final=False, created_at=time.time(),
-                                   metadata={k: v for k, v in meta.items() if v is not None})])
+                                   metadata={k: v for k, v in meta.items() if v is not None})], _label_id(body))
 
     def compare(self, body: dict[str, Any]) -> dict[str, Any]:
         a, b = self._rollout(body, "a"), self._rollout(body, "b")
@@ -159,7 +194,8 @@ class Labelling:
         meta = {k: v for k, v in meta.items() if v is not None}
         va, vb = WINNERS[winner]
         return self._store([Reward(a.id, va, name=HUMAN, final=False, created_at=now, metadata={**meta, "vs": b.id}),
-                            Reward(b.id, vb, name=HUMAN, final=False, created_at=now, metadata={**meta, "vs": a.id})])
+                            Reward(b.id, vb, name=HUMAN, final=False, created_at=now, metadata={**meta, "vs": a.id})],
+                           _label_id(body))
 
     def stats(self) -> dict[str, Any]:
         ended = self.store.query_rollouts(status=ENDED)

@@ -62,8 +62,11 @@ PAGE = """<!doctype html>
 "use strict";
 const token = new URLSearchParams(location.hash.slice(1)).get("token");
 const base = location.pathname.replace(/[/]+$/, "");  // "" standalone, "/review" on the gateway
-const state = { mode: "score", shown: [], score: null, skipped: [] };
+const state = { mode: "score", shown: [], score: null, skipped: [], labelId: null, saving: false };
 const $ = (id) => document.getElementById(id);
+// crypto.randomUUID needs a secure context; a gateway is often plain http on another host
+const newId = () => Array.from(crypto.getRandomValues(new Uint8Array(16)),
+                               (b) => b.toString(16).padStart(2, "0")).join("");
 
 async function api(path, body) {
   const headers = { "content-type": "application/json" };
@@ -143,6 +146,7 @@ async function load() {
     if (data.pair) shown = data.pair;
   }
   state.shown = shown;
+  state.labelId = newId();  // one per item shown: a double click or a retry stores one label
   panes.className = shown.length === 2 ? "panes two" : "panes";
   shown.forEach((r, i) => panes.appendChild(pane(r, shown.length === 2 ? "AB"[i] : "")));
   $("empty").hidden = shown.length > 0;
@@ -152,12 +156,18 @@ async function load() {
 }
 
 async function save(body, path) {
+  if (state.saving) return;  // a second click while the first is on its way
+  state.saving = true;
+  document.querySelectorAll("button").forEach((b) => { b.disabled = true; });
   try {
-    const out = await api(path, body);
-    status("saved (" + out.stored + ")");
+    const out = await api(path, { ...body, label_id: state.labelId });
+    status(out.replayed ? "already saved" : "saved (" + out.stored + ")");
     await load();
   } catch (err) {
     status(err.message, true);
+  } finally {
+    state.saving = false;
+    document.querySelectorAll("button").forEach((b) => { b.disabled = false; });
   }
 }
 

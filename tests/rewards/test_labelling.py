@@ -33,7 +33,9 @@ def labelled_store(tmp_path: Path) -> TraceStore:
 
 
 def _human(store: TraceStore, rid: str) -> list[tuple[float, dict]]:
-    return [(r.value, r.metadata) for r in store.rewards(rid) if r.name == "human" and r.config_hash is None]
+    """A rollout's human labels: (value, metadata without its label_id)."""
+    return [(r.value, {k: v for k, v in r.metadata.items() if k != "label_id"}) for r in store.rewards(rid)
+            if r.name == "human" and r.config_hash is None]
 
 
 def test_a_person_scores_and_compares_rollouts_in_a_browser(labelled_store: TraceStore, tmp_path: Path) -> None:
@@ -57,9 +59,12 @@ def test_a_person_scores_and_compares_rollouts_in_a_browser(labelled_store: Trac
         page.type("#labeler", "ana")
         page.click("button.score-btn[data-value='7']")
         page.type("#note", "right answer, slow")
-        page.click("#save")
+        # a double click: the second arrives while the first is on its way, and one label is stored
+        page.evaluate("document.getElementById('save').click(), document.getElementById('save').click()")
         page.wait_for("document.getElementById('status').textContent.startsWith('saved')")
         assert _human(store, first) == [(0.7, {"kind": "score", "labeler": "ana", "note": "right answer, slow"})]
+        assert [len(r.metadata["label_id"]) for r in store.rewards(first) if r.name == "human" and r.config_hash is None
+                ] == [32]  # the id the page gave the rollout it showed
         reported = [r.value for r in store.rewards(first) if r.name == "agent"][0]
         assert store.get_rollout(first).final_reward == pytest.approx(reported + 2 * 0.7)
         # The page moved on to a rollout not labelled yet.
@@ -108,3 +113,31 @@ def test_the_api_refuses_bad_labels_and_loses_nothing(labelled_store: TraceStore
         assert httpx.get(url + f"/api/rollouts/{rid}", headers=auth).json()["rollout"]["labels"][0]["kind"] == "compare"
         stats = httpx.get(url + "/api/stats", headers=auth).json()
         assert (stats["rollouts"], stats["labelled"], stats["config_hash"]) == (3, 2, CONFIG.hash)
+
+
+def test_a_repeated_label_id_stores_one_label(labelled_store: TraceStore) -> None:
+    """A double click or a retried POST: its label_id stores the label once, also when the repeats race."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = labelled_store
+    first, second, third = (r.id for r in store.query_rollouts())
+    with serve(build_app(store, scorer=Scorer(CONFIG))) as url:
+        def post(path: str, body: dict) -> httpx.Response:
+            return httpx.post(url + path, json=body, timeout=30)
+
+        body = {"score": 0.3, "label_id": "click-1"}
+        with ThreadPoolExecutor(8) as pool:
+            answers = [r.json() for r in pool.map(lambda _: post(f"/api/rollouts/{first}/score", body), range(8))]
+        assert sorted(a["stored"] for a in answers) == [0] * 7 + [1]
+        assert sum(bool(a.get("replayed")) for a in answers) == 7
+        assert [v for v, _ in _human(store, first)] == [0.3]
+        clash = post(f"/api/rollouts/{first}/score", {"score": 0.9, "label_id": "click-1"})
+        assert clash.status_code == 409 and clash.json()["error"]["code"] == "label_id_conflict"
+        assert post(f"/api/rollouts/{first}/score", {"score": 0.9, "label_id": "click-2"}).json()["stored"] == 1
+        for bad in ("", " ", "x" * 129, 7):
+            resp = post(f"/api/rollouts/{first}/score", {"score": 0.5, "label_id": bad})
+            assert resp.status_code == 400 and resp.json()["error"]["code"] == "bad_label_id"
+        pair = {"a": second, "b": third, "winner": "a", "label_id": "pair-1"}
+        assert [post("/api/compare", pair).json()["stored"] for _ in range(2)] == [2, 0]
+        assert [v for v, _ in _human(store, first)] == [0.3, 0.9]
+        assert [v for v, _ in _human(store, second)] == [1.0] and [v for v, _ in _human(store, third)] == [0.0]
