@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from lightning_middleware.rows import Row
 from trainer_backend.engines import lora
 from trainer_backend.engines.policy_set import MultiPolicy, check_names
 from trainer_backend.engines.torch_config import TorchEngineConfig
