@@ -100,7 +100,8 @@ def swap_pauses(model_dir: Path, variants: list[Path], adapters: list[Path], swa
         out[f"{label}_all_ms"] = [round(1e3 * r.paused_s, 1) for r in results]
         # what the pause is made of; engine_pause_s (waiting for the engine to pause) comes before it
         out[f"{label}_parts_ms"] = {part: round(_median_ms(results, f"{part}_s"), 2)
-                                    for part in ("engine_pause", "reload", "reset_cache", "tag", "resume")}
+                                    for part in ("engine_pause", "reload", "reset_cache", "tag", "resume",
+                                                 "worker_reload", "stage")}
     return out
 
 

@@ -5,6 +5,8 @@ adapter equal the engine's (its own server: LoRA is a start-up flag)."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -151,3 +153,69 @@ def test_a_verl_engine_adapter_loads_in_place_too(lora_server, tmp_path):
     assert tokens != base_tokens and _complete(lora_server, BASE)[0] == base_tokens
     ours = TorchEngine(tmp_path / "v1", TorchEngineConfig(precision="fp32")).token_logprobs([_row(tokens)])[0]
     assert max(abs(a - b) for a, b in zip(ours[len(PROMPT):], logprobs)) < 1e-4
+
+
+def _trained_versions(base: Path, out: Path) -> tuple[Path, Path, Path]:
+    """Three adapter versions of one policy: new (the base), trained toward one continuation, then another."""
+    from trainer_backend.engines.lora import AdapterConfig
+    from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig
+
+    torch.manual_seed(0)
+    engine = TorchEngine(base, TorchEngineConfig(lr=5e-2, precision="fp32", grad_clip=None,
+                                                 lora=AdapterConfig(rank=RANK)))
+    v0 = engine.save(out / "v0")
+    for _ in range(15):
+        engine.step([_row(list(range(300, 308)))])
+    v1 = engine.save(out / "v1")
+    for _ in range(10):
+        engine.step([_row(list(range(400, 408)))])
+    return v0, v1, engine.save(out / "v2")
+
+
+def test_a_request_queued_during_the_swap_gets_the_new_adapter_and_old_folders_can_go(lora_server, tied_checkpoints,
+                                                                                       tmp_path):
+    """vLLM's own in-place load gets both wrong: a request that waits out the pause runs with the previous
+    version (its stored request reloads the previous folder), and every step reloads the adapter from its
+    folder, so deleting a published checkpoint makes the name's requests fail."""
+    import threading
+
+    v0, v1, v2 = _trained_versions(tied_checkpoints.base, tmp_path)
+    publisher = WeightPublisher(lora_server.url, adapter_name="writer")
+    assert publisher.publish(v0, 0).verified
+    first = publisher.publish(v1, 1)
+    assert first.verified and first.stage_s > 0  # the second version of a name is staged, then committed
+    v1_tokens = _complete(lora_server, "writer")[0]
+
+    httpx.post(f"{lora_server.url}/pause", params={"mode": "wait"}, timeout=60).raise_for_status()
+    queued: dict[str, list[int]] = {}
+    waiter = threading.Thread(target=lambda: queued.update(tokens=_complete(lora_server, "writer")[0]))
+    waiter.start()
+    time.sleep(0.5)  # the request is in the engine's queue, waiting for the resume
+    swap = publisher.publish(v2, 2)  # pauses (already paused), commits, resumes
+    waiter.join(timeout=120)
+    assert swap.verified
+    v2_tokens = _complete(lora_server, "writer")[0]
+    assert v2_tokens != v1_tokens  # the two versions answer differently, so the next check can tell them apart
+    assert queued["tokens"] == v2_tokens
+
+    for version in (v0, v1, v2):
+        shutil.rmtree(version)
+    assert _complete(lora_server, "writer")[0] == v2_tokens
+
+
+def test_a_bad_adapter_fails_before_the_pause_and_changes_nothing(lora_server, tied_checkpoints, tmp_path):
+    import json
+
+    v0, v1, _ = _trained_versions(tied_checkpoints.base, tmp_path)
+    publisher = WeightPublisher(lora_server.url, adapter_name="editor")
+    publisher.publish(v0, 0)
+    assert publisher.publish(v1, 1).verified
+    served = _complete(lora_server, "editor")[0]
+    config = json.loads((v1 / "adapter_config.json").read_text())
+    bad = tmp_path / "too-big"
+    shutil.copytree(v1, bad)
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "r": RANK * 4}))  # over --max-lora-rank
+    with pytest.raises(PublishError, match="lightning_stage_adapter"):
+        publisher.publish(bad, 2)
+    assert publisher.weight_version() == "1"
+    assert _complete(lora_server, "editor")[0] == served

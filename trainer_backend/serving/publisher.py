@@ -8,7 +8,8 @@ Sequence (all over HTTP, the server runs with ``VLLM_SERVER_DEV_MODE=1`` and the
 2. engine ``POST /pause?mode=wait`` (in-flight requests finish, new ones wait),
 3. ``POST /collective_rpc`` ``lightning_reload`` (reload from safetensors and
    re-pack the CPU output layer, see the worker extension),
-4. ``POST /reset_prefix_cache`` (a reload does NOT invalidate cached KV),
+4. ``POST /reset_prefix_cache`` (a reload does NOT invalidate cached KV; the pause's own clear
+   happened before the reload),
 5. ``POST /update_weight_version`` (tag),
 6. engine ``POST /resume`` and gateway ``POST /admin/resume``, always, in ``finally``; after a
    successful swap the gateway resumes with the new policy version (an integer tag), so the
@@ -21,6 +22,10 @@ are pre-packed into oneDNN handles and are not among them, so it covers embeddin
 norms and biases only: a cheap "did the reload touch the weights" signal, not a
 proof. The proof is in the tests (logprobs equal an HF forward pass). Core module:
 httpx only.
+
+A checkpoint that holds LoRA adapters (one, or one folder per policy) publishes by served name
+instead of step 3 (adapters.py: staged by the worker before the pause, committed in it, no
+second prefix-cache reset: see `_swap`); the base weights stay.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from typing import Any
 import httpx
 
 from lightning_middleware.gateway.admin import GatewayAdmin
+from trainer_backend.serving.adapters import AdapterError, AdapterSlots
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +79,7 @@ class PublishResult:
     weights_changed: bool  # checksum moved; False when the same weights come again
     verified: bool  # version tag and output-layer probe check out
     problems: tuple[str, ...] = ()
+    stage_s: float = 0.0  # adapters: read and checked by the worker before the pause
 
 
 class WeightPublisher:
@@ -87,10 +94,12 @@ class WeightPublisher:
         timeout: float = 300.0,
         reset_retries: int = 20,
         adapter_name: str | None = None,
+        served_root: str | os.PathLike[str] | None = None,
     ) -> None:
         """`gateway_token`: the gateway's bearer token (default: $LIGHTNING_GATEWAY_TOKEN).
         `adapter_name`: the served model name of a LoRA policy; a checkpoint that is an adapter
-        folder is loaded in place under it (no full reload)."""
+        folder is published under it (no full reload). `served_root`: where each served adapter's
+        own folder is kept (default: `served-adapters/` beside the checkpoints; adapters.py)."""
         self.adapter_name = adapter_name
         self.server_url = server_root(server_url)
         self.gateway_url = gateway_url.rstrip("/") if gateway_url else None
@@ -100,6 +109,7 @@ class WeightPublisher:
                             else GatewayAdmin.from_env(self.gateway_url, timeout=timeout))
         self.timeout = timeout
         self.reset_retries = reset_retries
+        self._slots = AdapterSlots(self.server_url, self._rpc, Path(served_root) if served_root else None)
 
     def weight_version(self) -> str | None:
         with httpx.Client(timeout=self.timeout) as c:
@@ -133,11 +143,18 @@ class WeightPublisher:
             after = self._rpc(c, "lightning_checksum", {})["checksum"]
         return self._result(ckpt, tag, t, paused_s, total, before, after, info, reported)
 
-    def _swap(self, c: httpx.Client, tag: str,
-              reload: Callable[[], Any]) -> tuple[dict[str, float], float, float, Any]:
+    def _swap(self, c: httpx.Client, tag: str, reload: Callable[[], Any],
+              reset: bool = True) -> tuple[dict[str, float], float, float, Any]:
         """Pause (gateway, then engine), `reload`, reset the prefix cache, tag, resume: the steps
-        of every publish, timed. Returns (timings, engine paused s, total s, what reload returned)."""
-        t: dict[str, float] = {}
+        of every publish, timed. Returns (timings, engine paused s, total s, what reload returned).
+
+        `reset=False` leaves out the second prefix-cache reset: the pause cleared the cache (vLLM's
+        `/pause` resets it once in-flight requests have drained; `clear_cache` is sent), and while
+        the engine is paused nothing runs, so nothing is cached before the resume. (The reset, the
+        tag and the load were also tried concurrently, on threads with their own connections: the
+        pause grew, 12-109 ms instead of 16, on the 2-core machine; docs/benchmarks.md.)
+        """
+        t: dict[str, float] = {"reset_cache": 0.0}
         t_start = time.perf_counter()
         gw_paused = swapped = False
         engine_paused_at: float | None = None
@@ -147,10 +164,12 @@ class WeightPublisher:
                 gateway = self.gateway
                 _timed(t, "gateway_pause", lambda: gateway.pause(timeout=self.timeout))
                 gw_paused = True
-            _timed(t, "engine_pause", lambda: _ok(c.post(f"{self.server_url}/pause", params={"mode": "wait"})))
+            _timed(t, "engine_pause", lambda: _ok(c.post(f"{self.server_url}/pause",
+                                                         params={"mode": "wait", "clear_cache": "true"})))
             engine_paused_at = time.perf_counter()
             info = _timed(t, "reload", reload)
-            _timed(t, "reset_cache", lambda: self._reset_prefix_cache(c))
+            if reset:
+                _timed(t, "reset_cache", lambda: self._reset_prefix_cache(c))
             _timed(t, "tag", lambda: _ok(c.post(f"{self.server_url}/update_weight_version",
                                                 json={"new_version": tag})))
             swapped = True
@@ -173,28 +192,37 @@ class WeightPublisher:
         return sorted((d.name, d) for d in ckpt.iterdir() if (d / ADAPTER_CONFIG).is_file()) if ckpt.is_dir() else []
 
     def _publish_adapters(self, ckpt: str, tag: str, adapters: list[tuple[str, Path]]) -> PublishResult:
-        """Load LoRA adapter folders in place by name, all in one pause: the same pause, cache reset,
-        tag and resume as a full swap, but the base weights stay and only the adapters move."""
+        """Publish LoRA adapter folders by served name, all in one pause (adapters.py: staged while
+        serving, committed in the pause; no second prefix-cache reset: see `_swap`); the base weights stay."""
         missing = [str(path) for _, path in adapters if not (path / "adapter_model.safetensors").is_file()]
         if missing:  # fail before pausing anything
             raise PublishError(f"no adapter_model.safetensors in {', '.join(missing)}")
         with httpx.Client(timeout=self.timeout) as c:
-            def reload() -> None:
-                for name, path in adapters:
-                    _ok(c.post(f"{self.server_url}/v1/load_lora_adapter",
-                               json={"lora_name": name, "lora_path": str(path), "load_inplace": True}))
+            try:
+                plan = self._slots.prepare(c, Path(ckpt), adapters)  # a bad adapter fails here, unpaused
+            except AdapterError as exc:
+                raise PublishError(str(exc)) from exc
 
-            t, paused_s, total, _ = self._swap(c, tag, reload)
+            def reload() -> float:
+                try:
+                    return self._slots.apply(c, plan)
+                except AdapterError as exc:
+                    raise PublishError(str(exc)) from exc
+
+            t, paused_s, total, commit_s = self._swap(c, tag, reload, reset=False)
+            self._slots.refresh(plan)
             reported = _ok(c.get(f"{self.server_url}/weight_info")).json().get("weight_version")
         problems = () if reported == tag else (f"server reports version {reported!r}, expected {tag!r}",)
-        log.info("published adapters %s from %s as %s in %.3f s (paused %.4f s)",
-                 ", ".join(name for name, _ in adapters), ckpt, tag, total, paused_s)
+        log.info("published adapters %s from %s as %s in %.3f s (paused %.4f s; %d staged, %d registered)",
+                 ", ".join(name for name, _ in adapters), ckpt, tag, total, paused_s, len(plan.staged),
+                 len(plan.register))
         return PublishResult(
             version=tag, checkpoint_dir=ckpt, gateway_pause_s=t.get("gateway_pause"),
             engine_pause_s=t["engine_pause"], reload_s=t["reload"], reset_cache_s=t["reset_cache"],
-            tag_s=t["tag"], resume_s=t["resume"], paused_s=paused_s, total_s=total, worker_reload_s=0.0,
+            tag_s=t["tag"], resume_s=t["resume"], paused_s=paused_s, total_s=total, worker_reload_s=commit_s,
             worker_repack_s=0.0, checksum_before=None, checksum_after=float("nan"), lm_head_max_err=None,
             reported_version=reported, weights_changed=True, verified=not problems, problems=problems,
+            stage_s=plan.stage_s,
         )  # fmt: skip
 
     def _result(

@@ -26,7 +26,8 @@ def _check_checkpoint(weights_path: str) -> None:
 
 
 class LightningWorkerExtension:
-    """Weight reload that is correct for tied embeddings on CPU, plus checksums."""
+    """Weight reload that is correct for tied embeddings on CPU, plus checksums, plus LoRA
+    adapters swapped in two phases (stage while serving, commit while paused)."""
 
     def lightning_reload(self, weights_path: str) -> dict[str, Any]:
         """Reload all weights from a safetensors folder and rebuild derived state.
@@ -76,6 +77,63 @@ class LightningWorkerExtension:
                 total += p.detach().to(torch.float64).abs().sum().item()
                 count += p.numel()
         return {"checksum": total, "num_params": count, "lm_head_max_err": self._lm_head_probe()}
+
+    # LoRA adapters. vLLM's own in-place load (`load_inplace=True`) keeps that flag on the request
+    # it stores for the name, so every later engine step reloads the adapter from its path, and a
+    # request queued during the swap carries the previous version's path and swaps it back. Here
+    # the API server keeps a plain request (loaded once, not in place) and the weights change
+    # under its id: read and checked while serving (`stage`), put in the slot while paused (`commit`).
+
+    def lightning_adapter_ids(self) -> dict[str, Any]:
+        """The LoRA ids the worker holds (to learn which id the API server gave a name)."""
+        try:
+            return {"ids": sorted(self._lora_worker().list_adapters())}
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def lightning_stage_adapter(self, lora_int_id: int, path: str) -> dict[str, Any]:
+        """Read and validate the adapter in `path` for id `lora_int_id`, not yet serving it."""
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        try:
+            _check_checkpoint(path)
+            request = LoRARequest(lora_name=f"staged-{lora_int_id}", lora_int_id=lora_int_id, lora_path=path)
+            model = self._lora_worker()._load_adapter(request)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, nothing served changed
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        self._staged_adapters()[lora_int_id] = model
+        return {"stage_s": time.perf_counter() - t0}
+
+    def lightning_commit_adapters(self, lora_int_ids: list[int]) -> dict[str, Any]:
+        """Serve the staged adapters under their ids: what vLLM's in-place load does after reading."""
+        from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+
+        staged = self._staged_adapters()
+        missing = [i for i in lora_int_ids if i not in staged]
+        if missing:
+            return {"error": f"no staged adapter for ids {missing}"}
+        t0 = time.perf_counter()
+        manager = self._lora_worker()._adapter_manager
+        with gpu_sync_allowed():
+            for lora_int_id in lora_int_ids:
+                manager.remove_adapter(lora_int_id)
+                manager.add_adapter(staged.pop(lora_int_id))
+                manager.activate_adapter(lora_int_id)
+        return {"commit_s": time.perf_counter() - t0}
+
+    def _lora_worker(self) -> Any:
+        manager = getattr(self.model_runner, "lora_manager", None)  # type: ignore[attr-defined]
+        if manager is None:
+            raise RuntimeError("LoRA is not enabled on this server (--enable-lora)")
+        return manager
+
+    def _staged_adapters(self) -> dict[int, Any]:
+        # an attribute of the worker made on first use: the extension has no __init__ of its own
+        if "_lightning_staged" not in self.__dict__:
+            self.__dict__["_lightning_staged"] = {}
+        staged: dict[int, Any] = self.__dict__["_lightning_staged"]
+        return staged
 
     def _lm_head(self) -> torch.nn.Module | None:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
