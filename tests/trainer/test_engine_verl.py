@@ -332,6 +332,10 @@ def test_verl_engine_refuses_cpu(model_dir):
                                    "--engine", "verl", "--lora-rank", "8"])
     with pytest.raises(RuntimeError, match="GPU"):  # the settings accept one LoRA policy on verl
         make_engine(settings_from(lora_args), model_dir, 0)
+    team_args = parser.parse_args(["trainer", "--store", "sqlite:///x.db", "--model", str(model_dir),
+                                   "--engine", "verl", "--lora-rank", "8", "--policies", "coder,reviewer"])
+    with pytest.raises(RuntimeError, match="GPU"):  # and several: a VerlPolicySet, one verl engine per policy
+        make_engine(settings_from(team_args), model_dir, 0)
 
 
 # ---------------------------------------------------------------- VerlEngine.step's driver logic, worker group faked

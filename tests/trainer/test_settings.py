@@ -125,8 +125,12 @@ def test_lora_from_the_flags() -> None:
     assert settings_from(_parse()).engine_config().lora is None  # rank 0: every weight trains
     verl = settings_from(_parse("--lora-rank", "8", "--engine", "verl"))  # one LoRA policy: verl's own LoRA
     assert verl.run.engine == "verl" and verl.engine_config().lora.rank == 8
-    with pytest.raises(SettingsError, match="lora.policies: several LoRA policies need engine 'torch'"):
-        settings_from(_parse("--lora-rank", "8", "--engine", "verl", "--policies", "coder,reviewer"))
+    # several LoRA policies on verl: one verl LoRA engine per policy (engines/verl_policies.py)
+    team = settings_from(_parse("--lora-rank", "8", "--engine", "verl", "--policies", "coder,reviewer",
+                                "--default-policy", "coder"))
+    assert (team.run.engine, team.lora.policies, team.lora.default_policy) == ("verl", ("coder", "reviewer"), "coder")
+    with pytest.raises(SettingsError, match="lora.policies: separate policies are LoRA adapters"):
+        settings_from(_parse("--engine", "verl", "--policies", "coder,reviewer"))  # still LoRA only
 
 
 def test_the_rewards_section_round_trips_and_reaches_the_daemon(tmp_path: Path) -> None:

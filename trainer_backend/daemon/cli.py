@@ -191,8 +191,13 @@ def make_engine(settings: TrainerSettings, start_dir: Path, version: int) -> Eng
                                 freeze_embeddings=e.freeze_embeddings,
                                 param_dtype="bf16" if e.precision.startswith("bf16") else "fp32",
                                 loss=settings.loss_config(), lora=settings.engine_config().lora)
-        return VerlEngine(start_dir, vcfg, policy_version=version,
-                          work_dir=Path(settings.run.checkpoints) / "_verl")
+        work_dir = Path(settings.run.checkpoints) / "_verl"
+        if settings.lora.policies:  # one verl LoRA engine per policy (engines/verl_policies.py)
+            from trainer_backend.engines.verl_policies import VerlPolicySet
+
+            return VerlPolicySet(start_dir, settings.lora.policies, vcfg, default=settings.lora.default_policy,
+                                 policy_version=version, work_dir=work_dir)
+        return VerlEngine(start_dir, vcfg, policy_version=version, work_dir=work_dir)
     if settings.lora.policies:
         from trainer_backend.engines.policies import PolicySet
 

@@ -211,9 +211,6 @@ class TrainerSettings(_Section):
             raise ValueError("lora.policies: separate policies are LoRA adapters; set lora.rank")
         if self.lora.default_policy and self.lora.default_policy not in self.lora.policies:
             raise ValueError(f"lora.default_policy {self.lora.default_policy!r} is not one of lora.policies")
-        if self.run.engine == "verl" and self.lora.policies:  # one adapter per verl engine: see engines/verl_lora.py
-            raise ValueError("lora.policies: several LoRA policies need engine 'torch' (verl 0.9.1's FSDP engine "
-                             "holds one adapter, 'default'; each policy would need its own copy of the base model)")
         if self.optim.lr_schedule != "constant" and self.optim.total_steps is None and self.run.max_steps is None:
             raise ValueError(f"optim.lr_schedule {self.optim.lr_schedule!r} needs optim.total_steps or run.max_steps")
         return self

@@ -171,8 +171,9 @@ def __getattr__(name: str) -> Any:  # PEP 562: the lazily made worker class, for
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def ray_workers(actor_config: Any, config: VerlEngineConfig) -> Any:
-    """verl's actor worker group on Ray's GPUs, initialised (the model and, for training, its optimizer)."""
+def ray_workers(actor_config: Any, config: VerlEngineConfig, pool: Any = None) -> Any:
+    """verl's actor worker group on Ray's GPUs, initialised (the model and, for training, its optimizer).
+    `pool`: a `RayResourcePool` other worker groups share (verl_policies), else one of its own."""
     import ray
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
@@ -184,7 +185,8 @@ def ray_workers(actor_config: Any, config: VerlEngineConfig) -> Any:
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
                "TOKENIZERS_PARALLELISM": "false"}
         ray.init(runtime_env={"env_vars": env}, **config.ray_init)
-    pool = RayResourcePool(process_on_nodes=[config.n_gpus] * config.nnodes, use_gpu=True, max_colocate_count=1)
+    if pool is None:
+        pool = RayResourcePool(process_on_nodes=[config.n_gpus] * config.nnodes, use_gpu=True, max_colocate_count=1)
     cls = RayClassWithInitArgs(cls=ray.remote(actor_worker_cls()), config=actor_config, role="actor")
     # Any: the worker group gets its methods (init_model, update_actor, ...) from the worker class at run time
     wg: Any = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name="cuda")

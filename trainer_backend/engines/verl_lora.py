@@ -18,8 +18,8 @@ settings onto those config keys and writes what verl hands out:
 
 One adapter per engine: verl's engine names its adapter "default" and reads that one
 everywhere downstream (`get_per_tensor_param`'s `peft_config.get("default")`, the checkpoint's
-`_get_lora_train_meta`, `disable_adapter`), so several policies on one base are the torch
-engine's (`engines/policies.py`); the settings refuse `lora.policies` with `engine = "verl"`.
+`_get_lora_train_meta`, `disable_adapter`), so several policies are one engine each
+(`engines/verl_policies.py`), each with its own copy of the base model.
 """
 
 from __future__ import annotations
@@ -36,10 +36,6 @@ log = logging.getLogger(__name__)
 
 STATE_DIR = "verl_state"  # verl's sharded checkpoint of the adapter, optimizer and schedule
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-SEVERAL_POLICIES = ("several LoRA policies need the torch engine: verl 0.9.1's FSDP engine holds one adapter, "
-                    "named 'default', and its weight export, checkpoint metadata and disable_adapter read only that "
-                    "one (verl/workers/engine/fsdp/transformer_impl.py), so each policy would need its own worker "
-                    "group with its own copy of the base model")
 
 
 def actor_overrides(model_dir: str | Path, adapter: lora.AdapterConfig | None) -> tuple[Path, list[str]]:
