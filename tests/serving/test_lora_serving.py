@@ -124,26 +124,15 @@ def test_a_verl_engine_adapter_loads_in_place_too(lora_server, tmp_path):
     publishes through the same path: its new adapter is the base, its trained one changes that adapter's
     greedy output only, and vLLM serves what verl trained (the torch engine continuing verl's adapter
     computes vLLM's log-probs)."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
     pytest.importorskip("verl")
+    from tests.trainer.verl_subprocess import run_verl_helper
     from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig
 
     base_tokens, _ = _complete(lora_server, BASE)
     rows = tmp_path / "rows.pt"
     torch.save([_row(list(range(300, 308)))], rows)  # no behaviour log-probs: verl recomputes them
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    helper = Path(__file__).parents[1] / "trainer" / "verl_cpu_lora.py"
-    cmd = [sys.executable, str(helper), "train", str(lora_server.model_dir), str(rows), str(tmp_path), "15", "5e-2",
-           str(RANK)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "VERL_CPU_PORT": str(port)})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_verl_helper("verl_cpu_lora.py", ["train", str(lora_server.model_dir), str(rows), str(tmp_path), "15", "5e-2",
+                                         str(RANK)], 600)
     publisher = WeightPublisher(lora_server.url, adapter_name="coder")
     assert publisher.publish(tmp_path / "v0", 0).verified
     assert _complete(lora_server, "coder")[0] == base_tokens  # verl's new adapter (B = 0) is the base

@@ -22,6 +22,7 @@ verl = pytest.importorskip("verl")
 
 from lightning_middleware.rows import Row  # noqa: E402
 from tests.trainer.tiny_models import save_tiny_qwen2  # noqa: E402
+from tests.trainer.verl_subprocess import run_verl_helper  # noqa: E402
 from trainer_backend.algorithms.grpo import LossConfig, loss_weights  # noqa: E402
 from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 from trainer_backend.engines.verl_engine import (  # noqa: E402
@@ -252,25 +253,14 @@ def test_verl_fsdp_actor_on_cpu_equals_torch_engine(model_dir, tmp_path, dual_cl
     """verl's real actor worker (TrainingWorker -> FSDP2 engine -> micro-batches -> ppo_loss with our registered
     loss -> backward -> optimizer step -> HF checkpoint), driven by VerlEngine.step/save, in one CPU process with
     a CPU platform shim (tests/trainer/verl_cpu_actor.py); SGD lr 1 so the parameter change is the gradient."""
-    import socket
-    import subprocess
-    import sys
 
     rows = perturbed_rows(model_dir, multi_turn_rows())
     if dual_clip_c:
         rows = [dataclasses.replace(r, behaviour_logprobs=tuple(x - 2.0 * m for x, m in
                                                                zip(r.behaviour_logprobs, r.loss_mask))) for r in rows]
     torch.save(rows, tmp_path / "rows.pt")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    helper = Path(__file__).with_name("verl_cpu_actor.py")
-    cmd = [sys.executable, str(helper), str(model_dir), str(tmp_path / "rows.pt"), str(tmp_path / "out.pt")]
-    if dual_clip_c:
-        cmd.append(str(dual_clip_c))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "VERL_CPU_PORT": str(port)})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    args = [str(model_dir), str(tmp_path / "rows.pt"), str(tmp_path / "out.pt")]
+    run_verl_helper("verl_cpu_actor.py", [*args, str(dual_clip_c)] if dual_clip_c else args, 300)
     out = torch.load(tmp_path / "out.pt", weights_only=False)
     loss_cfg = LossConfig(clip_low=0.2, clip_high=0.28, dual_clip_c=dual_clip_c)
     t_loss, t_grads = _torch_grads(model_dir, rows, loss_cfg)

@@ -10,9 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +21,7 @@ pytest.importorskip("verl")
 
 from tests.trainer.test_engine_verl import VOCAB, multi_turn_rows, perturbed_rows  # noqa: E402
 from tests.trainer.tiny_models import save_tiny_qwen2  # noqa: E402
+from tests.trainer.verl_subprocess import run_verl_helper  # noqa: E402
 from trainer_backend.algorithms.grpo import LossConfig  # noqa: E402
 from trainer_backend.engines import lora  # noqa: E402
 from trainer_backend.engines.policies import PolicySet  # noqa: E402
@@ -70,14 +68,7 @@ def rows(model_dir) -> dict:
 def verl_run(model_dir, start_dir, rows, tmp_path_factory):
     out = tmp_path_factory.mktemp("verl_policies_run")
     torch.save(rows, out / "rows.pt")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    helper = Path(__file__).with_name("verl_cpu_policies.py")
-    proc = subprocess.run([sys.executable, str(helper), str(model_dir), str(start_dir), str(out / "rows.pt"),
-                           str(out)], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "VERL_CPU_PORT": str(port)})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_verl_helper("verl_cpu_policies.py", [str(model_dir), str(start_dir), str(out / "rows.pt"), str(out)], 900)
     return torch.load(out / "out.pt", weights_only=False), out
 
 
