@@ -52,6 +52,9 @@ class MultiPolicy:
         """How many optimizer updates policy `name` has had (resumes included)."""
         raise NotImplementedError
 
+    def stepped(self, name: str) -> None:
+        """Called after policy `name`'s engine has stepped (a set that counts updates itself counts here)."""
+
     def route(self, rows: Sequence[Row]) -> dict[str, list[Row]]:
         """Rows by the policy that trains them (rows of no policy, without a default, are left out)."""
         out: dict[str, list[Row]] = {}
@@ -66,7 +69,10 @@ class MultiPolicy:
         if not routed:
             raise ValueError(f"no row belongs to a policy of {list(self.names)} (rows' models: "
                              f"{sorted({str(r.policy) for r in rows})}) and there is no default policy")
-        per_policy = {name: self.engines[name].step(policy_rows) for name, policy_rows in routed.items()}
+        per_policy = {}
+        for name, policy_rows in routed.items():
+            per_policy[name] = self.engines[name].step(policy_rows)
+            self.stepped(name)
         self.policy_version += 1
         metrics = combine(per_policy)
         for name, m in per_policy.items():

@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_middleware.rows import Row
 from trainer_backend.engines import lora
 from trainer_backend.engines.policy_set import MultiPolicy, check_names
 from trainer_backend.engines.verl_engine import VerlEngine, VerlEngineConfig, ray_workers
@@ -70,16 +69,8 @@ class VerlPolicySet(MultiPolicy):
     def updates(self, name: str) -> int:
         return self._updates[name]
 
-    def step(self, rows: Sequence[Row]) -> dict[str, float]:
-        routed = list(self.route(rows))  # counted first: the shared step reads `updates` for its metrics
-        for name in routed:
-            self._updates[name] += 1
-        try:
-            return super().step(rows)
-        except Exception:
-            for name in routed:
-                self._updates[name] -= 1
-            raise
+    def stepped(self, name: str) -> None:
+        self._updates[name] += 1
 
     def save(self, out_dir: str | Path) -> Path:
         out = super().save(out_dir)
