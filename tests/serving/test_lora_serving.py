@@ -208,3 +208,54 @@ def test_a_bad_adapter_fails_before_the_pause_and_changes_nothing(lora_server, t
         publisher.publish(bad, 2)
     assert publisher.weight_version() == "1"
     assert _complete(lora_server, "editor")[0] == served
+
+
+def _worker_adapter_ids(server: VLLMServer) -> set[int]:
+    body = {"method": "lightning_adapter_ids", "kwargs": {}, "timeout": 60}
+    resp = httpx.post(f"{server.url}/collective_rpc", json=body, timeout=60).raise_for_status()
+    return set(resp.json()["results"][0]["ids"])
+
+
+def test_a_new_publisher_commits_under_the_ids_the_server_has_while_requests_wait(lora_server, tied_checkpoints,
+                                                                                  tmp_path):
+    """The team demo's case: one publisher registered two adapters (at the run's start), then another
+    (the trainer) publishes their next versions while requests for both wait out its pause. It must
+    commit under the ids the server gave the names: registering them again gives new ids while the
+    waiting requests carry the old ones, more adapters than the server's two slots (vLLM's engine died
+    of it in the team demo)."""
+    import json
+    import threading
+
+    v0, v1, v2 = _trained_versions(tied_checkpoints.base, tmp_path / "versions")
+    for step, (scout, closer) in enumerate([(v0, v0), (v1, v2)]):
+        for name, version in (("scout", scout), ("closer", closer)):
+            shutil.copytree(version, tmp_path / f"c{step}" / name)
+    assert WeightPublisher(lora_server.url).publish(tmp_path / "c0", 0).verified
+    ids = _worker_adapter_ids(lora_server)
+
+    httpx.post(f"{lora_server.url}/pause", params={"mode": "wait"}, timeout=60).raise_for_status()
+    answers: dict[str, list[list[int]]] = {"scout": [], "closer": []}
+    waiters = [threading.Thread(target=lambda name=name: answers[name].append(_complete(lora_server, name)[0]))
+               for name in ("scout", "closer", "scout", "closer")]
+    for waiter in waiters:
+        waiter.start()
+    time.sleep(0.5)  # the requests are in the engine's queue, waiting for the resume
+    swap = WeightPublisher(lora_server.url).publish(tmp_path / "c1", 1)  # a new publisher: the trainer
+    late = [threading.Thread(target=lambda name=name: _complete(lora_server, name, 32))  # batched with the waiting
+            for name in ("closer", "scout", "closer", "scout")]
+    for thread in late:
+        thread.start()
+    for thread in waiters + late:
+        thread.join(timeout=120)
+    assert swap.verified
+    for name in ("scout", "closer"):
+        served = _complete(lora_server, name)[0]
+        assert answers[name] == [served, served]  # both waiting requests got the new version
+    assert _complete(lora_server, "scout")[0] != _complete(lora_server, "closer")[0]  # v1 and v2 answer apart
+    assert _worker_adapter_ids(lora_server) <= ids  # the names kept their ids: none was registered again
+
+    record = tmp_path / "served-adapters" / "ids.json"  # where the names' ids are kept for the next publisher
+    record.write_text("{not json")  # unreadable: the next publisher registers the names again, and says so
+    assert WeightPublisher(lora_server.url).publish(tmp_path / "c0", 2).verified
+    assert _complete(lora_server, "scout")[0] == _complete(lora_server, "closer")[0] == _complete(lora_server, BASE)[0]
+    assert set(json.loads(record.read_text())["ids"]) == {"scout", "closer"}

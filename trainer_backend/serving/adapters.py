@@ -21,6 +21,12 @@ change the weights under the name's vLLM id through the worker extension, in two
 3. after resuming: the name's folder is brought up to the new version (vLLM reads it again only
    if its LRU cache evicts the adapter).
 
+The ids are recorded beside the folders (``ids.json``, with the worker's instance), so a new
+publisher of the same folders (the trainer, after the run's start registered the names; a
+restarted trainer) commits under them too. Registering a served name again would give it a new
+id while requests accepted before carry the old one: more adapters in flight than the server has
+slots, which killed vLLM's engine (a ``KeyError`` in its LoRA mapping) in the team demo.
+
 The prefix cache must be empty when the new weights serve: block hashes include the adapter's
 name and folder, which stay the same from version to version. vLLM's ``/pause`` clears it once
 the in-flight requests have drained, and nothing runs until the resume (the publisher's `_swap`).
@@ -28,6 +34,8 @@ the in-flight requests have drained, and nothing runs until the resume (the publ
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -37,8 +45,11 @@ from typing import Any
 
 import httpx
 
+log = logging.getLogger(__name__)
+
 Rpc = Callable[[httpx.Client, str, dict[str, Any]], dict[str, Any]]
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+IDS_FILE = "ids.json"  # in the served root: {"instance": the worker's, "ids": {name: vLLM LoRA id}}
 
 
 class AdapterError(RuntimeError):
@@ -70,6 +81,8 @@ class AdapterSlots:
         names' folders are in `served_root`, by default `served-adapters/` beside the checkpoint."""
         root = self.served_root or ckpt.parent / "served-adapters"
         served = self._served_roots(c)
+        if any(name not in self.ids for name, _ in adapters):
+            self._adopt(c, root)
         staged, register, stage_s = [], [], 0.0
         for name, path in adapters:
             lora_id = self.ids.get(name)
@@ -103,12 +116,29 @@ class AdapterSlots:
             _ok(c.post(f"{self.server_url}/v1/unload_lora_adapter", json={"lora_name": name}))
         folder = plan.root / name
         _copy_adapter(path, folder)
-        before = set(self._call(c, "lightning_adapter_ids", {}, name)["ids"])
+        worker = self._call(c, "lightning_adapter_ids", {}, name)
         _ok(c.post(f"{self.server_url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)}))
-        new = set(self._call(c, "lightning_adapter_ids", {}, name)["ids"]) - before
+        new = set(self._call(c, "lightning_adapter_ids", {}, name)["ids"]) - set(worker["ids"])
         if len(new) != 1:
             raise AdapterError(f"could not tell which LoRA id vLLM gave {name!r} (new ids: {sorted(new)})")
         self.ids[name] = new.pop()
+        self._record(plan.root, worker["instance"], name)
+
+    def _adopt(self, c: httpx.Client, root: Path) -> None:
+        """Take the ids recorded in `root` by an earlier publisher of its folders, if they are this
+        server instance's (a restarted server gives new ids)."""
+        instance, ids = _read_ids(root / IDS_FILE)
+        if ids and instance == self._call(c, "lightning_adapter_ids", {}, str(root))["instance"]:
+            for name, lora_id in ids.items():
+                self.ids.setdefault(name, lora_id)
+
+    def _record(self, root: Path, instance: str, name: str) -> None:
+        """Add `name`'s id to `root`'s record (replaced atomically; another instance's ids are dropped)."""
+        recorded, ids = _read_ids(root / IDS_FILE)
+        ids = {**(ids if recorded == instance else {}), name: self.ids[name]}
+        tmp = root / f".{IDS_FILE}.tmp"
+        tmp.write_text(json.dumps({"instance": instance, "ids": ids}, indent=1))
+        os.replace(tmp, root / IDS_FILE)
 
     def _served_roots(self, c: httpx.Client) -> dict[str, str]:
         """Served adapter name -> the folder the API server loads it from."""
@@ -120,6 +150,18 @@ class AdapterSlots:
         if "error" in info:
             raise AdapterError(f"{method} for {what}: {info['error']}")
         return info
+
+
+def _read_ids(path: Path) -> tuple[str | None, dict[str, int]]:
+    """(worker instance, name -> id) recorded in `path`; nothing if it is missing or malformed."""
+    try:
+        recorded = json.loads(path.read_text())
+        return str(recorded["instance"]), {str(k): int(v) for k, v in recorded["ids"].items()}
+    except FileNotFoundError:
+        return None, {}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        log.warning("ignoring %s (%s): its adapters are registered again", path, exc)
+        return None, {}
 
 
 def _copy_adapter(src: Path, dst: Path) -> None:

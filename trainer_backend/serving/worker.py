@@ -13,6 +13,7 @@ nothing from the rest of ``trainer_backend`` at module level.
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -85,11 +86,15 @@ class LightningWorkerExtension:
     # under its id: read and checked while serving (`stage`), put in the slot while paused (`commit`).
 
     def lightning_adapter_ids(self) -> dict[str, Any]:
-        """The LoRA ids the worker holds (to learn which id the API server gave a name)."""
+        """The LoRA ids the worker holds (to learn which id the API server gave a name), and this
+        worker's instance: ids recorded for an earlier instance (a restarted server) mean nothing."""
         try:
-            return {"ids": sorted(self._lora_worker().list_adapters())}
+            ids = sorted(self._lora_worker().list_adapters())
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             return {"error": f"{type(exc).__name__}: {exc}"}
+        if "_lightning_instance" not in self.__dict__:
+            self.__dict__["_lightning_instance"] = uuid.uuid4().hex
+        return {"ids": ids, "instance": self.__dict__["_lightning_instance"]}
 
     def lightning_stage_adapter(self, lora_int_id: int, path: str) -> dict[str, Any]:
         """Read and validate the adapter in `path` for id `lora_int_id`, not yet serving it."""
