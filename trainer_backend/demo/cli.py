@@ -58,6 +58,9 @@ def add_cli(sub: Any) -> None:
                    help="guess task: score every rollout under this reward configuration (TOML/JSON, "
                         "docs/rewards.md; examples/rewards/) and train on its final reward; the evaluation "
                         "stays the task's own success")
+    p.add_argument("--judge", choices=("smollm2",), default=None,
+                   help="serve the --rewards configuration's judge ([rank_judge] or [reward_model] url on this "
+                        "machine) with SmolLM2-135M-Instruct on a second vLLM CPU server (demo/judge.py)")
     p.add_argument("--task", choices=("guess", "team", "arith"), default=d.task,
                    help="guess: one agent; team: two LangGraph agents (scout, closer), each its own LoRA policy; "
                         "arith: word problems with a calculator (--model smollm2)")
@@ -108,6 +111,9 @@ def run_cli(args: argparse.Namespace) -> int:
         print("lightning-mw demo: --rewards is for --task guess (the team and arith tasks evaluate by their "
               "own rewards)", file=sys.stderr)
         return 2
+    if args.judge and (problem := _judge_problem(args)):
+        print(f"lightning-mw demo: {problem}", file=sys.stderr)
+        return 2
     smol = args.model == "smollm2"
     if smol != (args.task == "arith"):
         print("lightning-mw demo: --task arith goes with --model smollm2 (and smollm2 with arith)", file=sys.stderr)
@@ -135,6 +141,10 @@ def run_cli(args: argparse.Namespace) -> int:
             from trainer_backend.demo.smol import SmolDemoRun
 
             run_demo(cfg, SmolDemoRun)
+        elif args.judge:
+            from trainer_backend.demo.judge import JudgedDemoRun
+
+            run_demo(cfg, JudgedDemoRun)
         elif cfg.task == "team":
             from trainer_backend.demo.team import TeamDemoRun
 
@@ -145,6 +155,18 @@ def run_cli(args: argparse.Namespace) -> int:
         print("\nstopped (server, trainer and rollouts shut down)", flush=True)
         return 130
     return 0
+
+
+def _judge_problem(args: argparse.Namespace) -> str | None:
+    """Why --judge cannot serve this run's judge (checked before the warm start), or None."""
+    from lightning_middleware.rewards import ConfigError, load_config
+    from trainer_backend.demo.judge import JudgeConfigError, judge_address
+
+    try:
+        judge_address(load_config(args.rewards) if args.rewards else None)
+    except (ConfigError, JudgeConfigError) as e:
+        return str(e)
+    return None
 
 
 def compare_cli(args: argparse.Namespace) -> int:
