@@ -75,6 +75,7 @@ class AdapterSlots:
         self.rpc = rpc
         self.served_root = served_root
         self.ids: dict[str, int] = {}
+        self.instance: str | None = None  # the worker's, learned at a registration
 
     def prepare(self, c: httpx.Client, ckpt: Path, adapters: list[tuple[str, Path]]) -> AdapterPlan:
         """Stage every adapter whose name we registered and still own; the rest register. The
@@ -106,9 +107,12 @@ class AdapterSlots:
         return commit_s
 
     def refresh(self, plan: AdapterPlan) -> None:
-        """After resuming: the names' folders hold the versions just committed."""
+        """After resuming: the names' folders hold the versions just committed, and the record
+        holds the ids of the names just registered (written here, out of the pause)."""
         for name, path, _ in plan.staged:
             _copy_adapter(path, plan.root / name)
+        if plan.register and self.instance is not None:
+            self._record(plan.root, self.instance, [name for name, _ in plan.register])
 
     def _register(self, c: httpx.Client, name: str, path: Path, plan: AdapterPlan) -> None:
         """Load `name` from our folder as a new adapter (not in place) and learn its id."""
@@ -122,7 +126,7 @@ class AdapterSlots:
         if len(new) != 1:
             raise AdapterError(f"could not tell which LoRA id vLLM gave {name!r} (new ids: {sorted(new)})")
         self.ids[name] = new.pop()
-        self._record(plan.root, worker["instance"], name)
+        self.instance = worker["instance"]
 
     def _adopt(self, c: httpx.Client, root: Path) -> None:
         """Take the ids recorded in `root` by an earlier publisher of its folders, if they are this
@@ -132,10 +136,10 @@ class AdapterSlots:
             for name, lora_id in ids.items():
                 self.ids.setdefault(name, lora_id)
 
-    def _record(self, root: Path, instance: str, name: str) -> None:
-        """Add `name`'s id to `root`'s record (replaced atomically; another instance's ids are dropped)."""
+    def _record(self, root: Path, instance: str, names: list[str]) -> None:
+        """Add the names' ids to `root`'s record (replaced atomically; another instance's ids are dropped)."""
         recorded, ids = _read_ids(root / IDS_FILE)
-        ids = {**(ids if recorded == instance else {}), name: self.ids[name]}
+        ids = {**(ids if recorded == instance else {}), **{name: self.ids[name] for name in names}}
         tmp = root / f".{IDS_FILE}.tmp"
         tmp.write_text(json.dumps({"instance": instance, "ids": ids}, indent=1))
         os.replace(tmp, root / IDS_FILE)
