@@ -113,7 +113,7 @@ def test_the_demo_agents_groups_wait_for_the_trainer_and_are_ranked_through_its_
     assert len(judge.seen) == 2  # one answer per group
     for body in judge.seen:
         assert body["model"] == "judge" and body["max_tokens"] == 20
-        assert "guessing game" in body["messages"][0]["content"]
+        assert "Ranking: " in body["messages"][0]["content"]
         assert len(candidates(body)) == 4
     finals = sorted(r.final_reward for g in reviewed if g for r in g)
     # every rollout failed alike (the test LLM's call has no number): the judge's term alone

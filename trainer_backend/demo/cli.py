@@ -128,7 +128,8 @@ def run_cli(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     for name in ("httpx", "httpx2", "openai", "lightning_middleware.controller", "lightning_middleware.rows",
-                 "trainer_backend.daemon", "trainer_backend.engines", "trainer_backend.serving"):
+                 "trainer_backend.daemon", "trainer_backend.engines", "trainer_backend.serving",
+                 "lightning_middleware.rewards"):
         logging.getLogger(name).setLevel(logging.WARNING)
     def _interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
