@@ -7,6 +7,7 @@ crafted rankings. The measured run with SmolLM2 as the judge: docs/rewards.md, "
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from lightning_middleware.controller import RolloutController
 from lightning_middleware.rewards import RewardConfig, Scorer
 from lightning_middleware.testing import LLMTestServer
 from tests.rewards.ranking_judge import candidates, ranking_judge
+from tests.trainer import test_daemon
+from tests.trainer.test_daemon import make_daemon
 from trainer_backend.daemon.reward_gate import RewardGate
 from trainer_backend.demo.agent import make_agent
 from trainer_backend.demo.judge import JudgeConfigError, judge_address, judge_agreement
@@ -144,3 +147,30 @@ def test_judge_agreement_counts_solved_before_unsolved_pairs(store: TraceStore) 
     assert got["agreement"] == pytest.approx((3 + 0.5 + 1) / 6)
     assert got["in_shown_order"] == pytest.approx(1 / 3)
     assert judge_agreement(store, c[:1])["pairs"] == 0  # only the rollouts asked about count
+
+
+model_dir = test_daemon.model_dir  # the tiny byte-level model of the daemon tests (module-scoped)
+
+
+def test_the_budget_stops_new_rollout_groups_before_the_trainer_returns(
+        llm: LLMTestServer, store: TraceStore, model_dir: Path, tmp_path: Path) -> None:
+    """At the time cap the back-pressure thread ends and resumes the controller; a trainer still
+    in its step (a judge ranking a backlog) must not leave the controller running free: in the
+    judge run it started 5,000 rollouts in the ten minutes one step took."""
+    from trainer_backend.demo.loop import TrainingLoop
+
+    daemon = make_daemon(store, model_dir, tmp_path)
+    cfg = DemoConfig(out_dir=str(tmp_path / "out"), group_size=2, groups_per_step=1, progress=False)
+    with RolloutController(make_agent(llm.base_url, store, max_tokens=64), store=store, backend="asyncio",
+                           concurrency=4, timeout_s=60) as c:
+        loop = TrainingLoop(cfg, c, daemon, daemon.engine)  # the trainer is never run: a step that does not return
+        thread = c.start_continuous([{"task_id": f"t{i}", "secret": 3} for i in range(64)], n=2, groups_in_flight=2,
+                                    on_group=loop.on_group)
+        deadline = time.monotonic() + 60
+        while len(loop.finished) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        loop.stop()
+        c.resume()  # what the back-pressure thread does as it ends
+        thread.join(timeout=30)
+        assert not thread.is_alive()  # the running groups finished, no new ones started
+    assert 4 <= len(store.query_rollouts(mode="train")) <= len(loop.finished) + 4

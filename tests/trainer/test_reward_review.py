@@ -104,6 +104,32 @@ def test_ready_groups_are_ranked_concurrently_and_the_judge_time_is_a_metric(llm
     print(f"4 groups, judge latency {latency} s: reward_judge_s {m['reward_judge_s']:.2f}, collect {collect_s:.2f} s")
 
 
+def test_a_backlog_of_ready_groups_is_ranked_a_chunk_at_a_time(llm_server, store: TraceStore, model_dir,
+                                                                 tmp_path) -> None:
+    """Six ready groups, a step of one, a judge of concurrency 2: a collect reviews the oldest
+    two groups and asks the judge only about those without a ranking; the rest wait in the pool
+    unranked until a step gets to them (before, every ready group was ranked in the first collect)."""
+    run_rollouts(llm_server, store, {t: [1, 0, 1, 0] for t in "abcdef"})
+
+    def ranked_tasks() -> set[str]:
+        stored = store.rewards_for([r.id for r in store.query_rollouts()])
+        return {store.get_rollout(rid).task_id for rid, rs in stored.items() if any(x.name == "rank_judge" for x in rs)}
+
+    with ranking_judge(_in_order) as judge:
+        cfg = RewardConfig.from_dict({"rules": {"agent_reward": 1.0},
+                                      "rank_judge": {"url": judge.url, "model": "j", "concurrency": 2}})
+        daemon = make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg),
+                             group=GroupPolicy(group_size=4, groups_per_step=1, min_group_size=2))
+        steps = []
+        for asked, ranked in ((2, "ab"), (3, "abc"), (4, "abcd")):
+            result = daemon.step_once()
+            assert result is not None and result.metrics["n_groups"] == 1
+            assert len(judge.seen) == asked and ranked_tasks() == set(ranked)
+            steps.append(result.metrics["rank_judge_groups"])
+    assert steps == [2, 1, 1]
+    assert sorted({r.task_id for r in store.query_rollouts(consumed=True)}) == ["a", "b", "c"]
+
+
 def test_a_per_call_component_is_awaited_for_every_call(llm_server, store: TraceStore, model_dir, tmp_path) -> None:
     run_rollouts(llm_server, store, TASKS)
     rollouts = store.query_rollouts()

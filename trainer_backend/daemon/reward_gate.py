@@ -97,6 +97,13 @@ class RewardGate:
         """Whether a stored reward is of the version trained on (a person's or the agent's always are)."""
         return self.policy.version is None or r.config_hash in (None, self.policy.version)
 
+    @property
+    def review_chunk(self) -> int | None:
+        """How many ready groups to review at once when a ranking judge scores them (None: all):
+        its concurrency, so that one collect asks the judge for what it can answer together."""
+        judge = self.scorer.config.rank_judge if self.scorer is not None else None
+        return judge.concurrency if judge is not None else None
+
     def review(self, members: Sequence[Rollout], now: float | None = None) -> list[Rollout] | None:
         """`review_groups` of one group."""
         return self.review_groups([members], now)[0]

@@ -35,7 +35,7 @@ import statistics
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -169,7 +169,7 @@ class TrainerDaemon:
         ids = [r.id for m in groups for r in m]
         per_agent = self.store.agent_rewards(ids) if g.skip_uniform and isinstance(self.engine, RoutesRows) else {}
         per_step = self.credit.step_rewards(ids) if g.skip_uniform else {}  # per-turn: steps are signal too
-        for reviewed in self.rewards.review_groups(groups):  # a ranking judge ranks them concurrently
+        for reviewed in self._reviewed(groups, trainable):  # a ranking judge ranks them concurrently
             if reviewed is None:  # a configured component is still to come: the group waits
                 continue
             members = reviewed
@@ -198,6 +198,21 @@ class TrainerDaemon:
             return None
         skipped, self._skipped_since_step = dict(self._skipped_since_step), Counter()
         return Batch(rollouts=tuple(taken), skipped=skipped)
+
+    def _reviewed(self, groups: list[list[Rollout]], trainable: Sequence[object]) -> Iterator[list[Rollout] | None]:
+        """The ready groups as the reward gate gives them, oldest first. A ranking judge ranks
+        them a chunk at a time until the step has its groups: with a backlog (rollouts faster
+        than the trainer, or a trainer restarted on a full pool) ranking every ready group in one
+        collect costs judge time in proportion to the backlog, for groups the step does not train."""
+        chunk = self.rewards.review_chunk
+        if chunk is None:
+            yield from self.rewards.review_groups(groups)
+            return
+        size = max(chunk, self.config.group.groups_per_step)
+        for start in range(0, len(groups), size):
+            if len(trainable) >= self.config.group.groups_per_step:
+                return
+            yield from self.rewards.review_groups(groups[start:start + size])
 
     def _ready_groups(self) -> list[list[Rollout]]:
         """Finished, unconsumed train rollouts grouped by task: full groups, or timed-out ones."""

@@ -42,7 +42,10 @@ class TrainingLoop:
         self.bar = _progress(cfg)
 
     def stop(self) -> None:
+        """The budget is spent: no new rollout groups (the back-pressure thread ends with the
+        flag; without this the controller would run free while the trainer finishes its step)."""
         self.stopping.set()
+        self.controller.stop()
         self.daemon.stop()
 
     def on_group(self, group: list[RolloutResult]) -> None:
