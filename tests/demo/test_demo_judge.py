@@ -174,3 +174,24 @@ def test_the_budget_stops_new_rollout_groups_before_the_trainer_returns(
         thread.join(timeout=30)
         assert not thread.is_alive()  # the running groups finished, no new ones started
     assert 4 <= len(store.query_rollouts(mode="train")) <= len(loop.finished) + 4
+
+
+def test_the_judged_run_reports_the_judges_agreement_time_and_failures(store: TraceStore, tmp_path: Path) -> None:
+    from trainer_backend.demo.judge import JudgedDemoRun
+
+    ids = _ranked_group(store, "a", [True, False, True, False], [1, 2, 3, 4])
+    run = JudgedDemoRun(DemoConfig(out_dir=str(tmp_path / "out"), rewards=str(JUDGE_TOML), eval_tasks=2,
+                                   train_tasks=2))
+    run.store = store
+    run.out.mkdir(parents=True)
+    step = {"t_s": 30.0, "success": 0.5, "finished": len(ids), "rank_judge_groups": 1.0, "rank_judge_failed": 1.0,
+            "rank_judge_unparseable": 3.0, "reward_judge_s": 42.0}
+    run.results.update(before={"sampled": {"success": 0.25}}, after={"sampled": {"success": 0.5}},
+                       curve=[step, {**step, "t_s": 60.0}], steps=2, trained_rollouts=8)
+    run.timings["rl_s"] = 60.0
+    res = run.report()
+    got = res["judge_summary"]
+    assert got["groups"] == 1 and got["pairs"] == 4 and got["agreement"] == pytest.approx(0.75)
+    assert got["in_shown_order"] == 1.0
+    assert (got["rank_judge_groups"], got["rank_judge_failed"], got["reward_judge_s"]) == (2.0, 2.0, 84.0)
+    assert res["gain_pp"] == pytest.approx(25.0) and (run.out / "results.json").exists()
