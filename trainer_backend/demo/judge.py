@@ -25,10 +25,9 @@ from trainer_backend.demo.outcomes import task_outcomes
 from trainer_backend.demo.run import DemoRun, say
 from trainer_backend.serving.server import VLLMServer
 
-JUDGES = ("smollm2",)  # the judges `--judge` can serve on this machine (no model hub)
 LOCAL_HOSTS = ("127.0.0.1", "localhost")
-# A group of 8 guess-game transcripts cut to the configuration's max_chars is ~1,100-2,000
-# tokens; the answer is one short line.
+# A group of 8 guess-game transcripts cut to the example's 3,000 characters is ~1,000 tokens
+# (a configuration may allow more); the answer is one short line.
 JUDGE_MAX_LEN = 4096
 
 
