@@ -177,3 +177,5 @@ def test_curve_summary_weighs_steps_by_their_rollouts_and_report_line() -> None:
     assert report_line(res) == ("tool calls per held-out rollout: 3.25 -> 3.90; hacking rate of the train "
                                 "rollouts (last quarter of RL): 90.0%; reward configuration abcd")
     assert report_line({"before": {"sampled": {"success": 0.4}}, "after": {"sampled": {"success": 0.6}}}) == ""
+    res["rl_summary"] = {"last_steps": {"hacking_rate": float("nan")}}  # no train rollout finished at the end
+    assert "hacking rate" not in report_line(res)
