@@ -99,8 +99,8 @@ class RewardGate:
 
     @property
     def review_chunk(self) -> int | None:
-        """How many ready groups to review at once when a ranking judge scores them (None: all):
-        its concurrency, so that one collect asks the judge for what it can answer together."""
+        """The ranking judge's concurrency, the least the daemon reviews at once (None: no ranking
+        judge, so reviewing every ready group costs no judge time)."""
         judge = self.scorer.config.rank_judge if self.scorer is not None else None
         return judge.concurrency if judge is not None else None
 

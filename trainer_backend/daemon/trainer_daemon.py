@@ -203,7 +203,8 @@ class TrainerDaemon:
         """The ready groups as the reward gate gives them, oldest first. A ranking judge ranks
         them a chunk at a time until the step has its groups: with a backlog (rollouts faster
         than the trainer, or a trainer restarted on a full pool) ranking every ready group in one
-        collect costs judge time in proportion to the backlog, for groups the step does not train."""
+        collect costs judge time in proportion to the backlog, for groups the step does not train.
+        `trainable` is the caller's list of the groups found usable so far, read between chunks."""
         chunk = self.rewards.review_chunk
         if chunk is None:
             yield from self.rewards.review_groups(groups)

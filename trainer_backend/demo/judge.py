@@ -20,7 +20,6 @@ from urllib.parse import urlsplit
 from lightning_middleware import Reward, TraceStore
 from lightning_middleware.rewards import RewardConfig
 from lightning_middleware.rewards.config import RANK_JUDGE
-from lightning_middleware.rewards.ranking import letters
 from trainer_backend.demo.outcomes import task_outcomes
 from trainer_backend.demo.run import DemoRun, say
 from trainer_backend.serving.server import VLLMServer
@@ -37,8 +36,8 @@ class JudgeConfigError(ValueError):
 
 def judge_address(config: RewardConfig | None) -> tuple[str, int, str]:
     """(host, port, served model name) of the configuration's judge, on this machine."""
-    urls = {(j.url, j.model) for j in (config.rank_judge, config.reward_model) if j is not None and j.url} \
-        if config is not None else set()
+    judges = [] if config is None else [j for j in (config.rank_judge, config.reward_model) if j is not None]
+    urls = {(j.url, j.model) for j in judges if j.url}
     if not urls:
         raise JudgeConfigError("--judge serves the judge of a reward configuration: give --rewards FILE with a "
                                "[rank_judge] (or [reward_model]) url and model, e.g. "
@@ -67,8 +66,7 @@ def judge_agreement(store: TraceStore, rollout_ids: Sequence[str]) -> dict[str, 
         if ranked and rid in solved:  # the latest ranking of the rollout's group (a group re-ranked keeps the last)
             meta = ranked[-1]
             groups.setdefault(tuple(meta["candidates"]), {})[rid] = float(meta["rank"])
-    pairs = agree = 0.0
-    shown = 0
+    pairs, agree, shown = 0, 0.0, 0
     for candidates, ranks in groups.items():
         shown += all(ranks.get(c) == i + 1 for i, c in enumerate(candidates))
         good = [r for c, r in ranks.items() if solved[c]]
@@ -77,9 +75,8 @@ def judge_agreement(store: TraceStore, rollout_ids: Sequence[str]) -> dict[str, 
             for b in bad:
                 pairs += 1
                 agree += 1.0 if g < b else 0.5 if g == b else 0.0
-    return {"groups": len(groups), "pairs": int(pairs), "agreement": agree / pairs if pairs else float("nan"),
-            "in_shown_order": shown / len(groups) if groups else float("nan"),
-            "shown_order_example": " > ".join(letters(8))}
+    return {"groups": len(groups), "pairs": pairs, "agreement": agree / pairs if pairs else float("nan"),
+            "in_shown_order": shown / len(groups) if groups else float("nan")}
 
 
 def _detail(reward: Reward) -> dict[str, Any]:

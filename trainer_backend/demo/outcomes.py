@@ -110,7 +110,8 @@ def report_line(res: dict[str, Any]) -> str:
         parts.append(f"tool calls per held-out rollout: {before['tool_calls_mean']:.2f} -> "
                      f"{after['tool_calls_mean']:.2f}")
     rl = res.get("rl_summary", {}).get("last_steps", {})
-    if rl.get("hacking_rate", float("nan")) == rl.get("hacking_rate"):  # NaN: no rollout finished at the end
+    rate = rl.get("hacking_rate")
+    if rate is not None and rate == rate:  # NaN: no train rollout finished in the last steps
         parts.append(f"hacking rate of the train rollouts (last quarter of RL): {rl['hacking_rate']:.1%}")
     if res.get("rewards"):
         parts.append(f"reward configuration {res['rewards']['hash']}")
