@@ -18,6 +18,11 @@ from trainer_backend.demo.run import DemoConfig, run_demo
 # The team task trains LoRA adapters (rank 16, alpha 16): they take a higher lr than the whole
 # model (docs/policies.md has the runs).
 TEAM_LR = (2e-3, 1e-3)
+# SmolLM2 on arithmetic (--task arith): the recipe measured on three seeds (docs/demo.md). A
+# constant lr of 1e-5 without warm-up (3e-5 collapsed the policy after two updates), small steps
+# of 16 rollouts (a 135M model trains at ~60-90 tokens/s on 2 cores); its SFT is smol.py's.
+ARITH_RECIPE: dict[str, Any] = {"minutes": 20.0, "eval_tasks": 128, "groups_per_step": 4, "group_size": 4,
+                                "groups_in_flight": 8, "lr": 1e-5, "lr_end": None, "lr_warmup_steps": 0}
 
 
 def add_cli(sub: Any) -> None:
@@ -27,12 +32,13 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--out", default=None, help="output dir (default runs/demo-SEED-MODE)")
     p.add_argument("--seed", type=int, default=d.seed, help="RL seed: which train/eval tasks")
     p.add_argument("--warm-start-seed", type=int, default=d.warm_start_seed)
-    p.add_argument("--minutes", type=float, default=d.minutes, help="RL time budget")
+    p.add_argument("--minutes", type=float, default=None, help=f"RL time budget (default {d.minutes:g}; arith 20)")
     p.add_argument("--sync", action="store_true", help="sync RL (no rollouts during updates), for comparison")
-    p.add_argument("--eval-tasks", type=int, default=d.eval_tasks)
-    p.add_argument("--groups-per-step", type=int, default=d.groups_per_step)
-    p.add_argument("--group-size", type=int, default=d.group_size)
-    p.add_argument("--groups-in-flight", type=int, default=d.groups_in_flight)
+    recipe = "default {}; --task arith: its own recipe (ARITH_RECIPE, docs/demo.md)"
+    p.add_argument("--eval-tasks", type=int, default=None, help=recipe.format(d.eval_tasks))
+    p.add_argument("--groups-per-step", type=int, default=None, help=recipe.format(d.groups_per_step))
+    p.add_argument("--group-size", type=int, default=None, help=recipe.format(d.group_size))
+    p.add_argument("--groups-in-flight", type=int, default=None, help=recipe.format(d.groups_in_flight))
     p.add_argument("--max-staleness", type=int, default=d.max_staleness)
     p.add_argument("--lr", type=float, default=None,
                    help=f"peak learning rate (default {d.lr:g}; the team task's LoRA adapters: {TEAM_LR[0]:g})")
@@ -40,7 +46,7 @@ def add_cli(sub: Any) -> None:
                    help="the RL algorithm (docs/trainer.md, choosing and tuning)")
     p.add_argument("--dual-clip", type=float, default=d.dual_clip,
                    help="PPO dual clip c (> 1) for negative advantages; 0 turns it off")
-    p.add_argument("--lr-warmup-steps", type=int, default=d.lr_warmup_steps)
+    p.add_argument("--lr-warmup-steps", type=int, default=None, help=recipe.format(d.lr_warmup_steps))
     p.add_argument("--lr-end", type=float, default=None,
                    help=f"learning rate reached at the end of the budget (linear decay; default {d.lr_end:g}, "
                         f"team {TEAM_LR[1]:g}); 0 or less: constant")
@@ -80,22 +86,27 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
     """The run's configuration from the command line (the task decides the lr defaults)."""
     mode = "sync" if args.sync else "async"
     d = DemoConfig()
-    lr_default, lr_end_default = TEAM_LR if args.task == "team" else (d.lr, d.lr_end)
-    lr = lr_default if args.lr is None else args.lr
-    lr_end = lr_end_default if args.lr_end is None else args.lr_end
+    base: dict[str, Any] = {k: getattr(d, k) for k in ARITH_RECIPE}  # the settings a task may change
+    if args.task == "team":
+        base.update(lr=TEAM_LR[0], lr_end=TEAM_LR[1])
+    elif args.task == "arith":
+        base.update(ARITH_RECIPE)
+    given = {k: getattr(args, k) for k in ARITH_RECIPE if getattr(args, k) is not None}
+    r = {**base, **given}
+    if "lr_end" in given:  # 0 or less on the command line: a constant lr
+        r["lr_end"] = given["lr_end"] if given["lr_end"] > 0 else None
     smol = args.model == "smollm2"  # SmolDemoRun picks its own model
     default_out = f"runs/demo-{args.seed}-{mode}" if args.task == "guess" else \
         f"runs/demo-smol-arith-{args.seed}" if smol else \
         f"runs/demo-team-{'shared' if args.shared_policy else 'separate'}-{args.seed}"
-    return DemoConfig(out_dir=args.out or default_out, seed=args.seed, minutes=args.minutes,
+    return DemoConfig(out_dir=args.out or default_out, seed=args.seed, minutes=r["minutes"],
                       task=args.task, shared_policy=args.shared_policy,
                       warm_start_seed=args.warm_start_seed,
-                      mode=mode, eval_tasks=args.eval_tasks, groups_per_step=args.groups_per_step,
-                      group_size=args.group_size, groups_in_flight=args.groups_in_flight,
-                      max_staleness=args.max_staleness, lr=lr,
+                      mode=mode, eval_tasks=r["eval_tasks"], groups_per_step=r["groups_per_step"],
+                      group_size=r["group_size"], groups_in_flight=r["groups_in_flight"],
+                      max_staleness=args.max_staleness, lr=r["lr"],
                       dual_clip=args.dual_clip if args.dual_clip and args.dual_clip > 0 else None, algo=args.algo,
-                      lr_end=lr_end if lr_end and lr_end > 0 else None,
-                      lr_warmup_steps=max(0, args.lr_warmup_steps),
+                      lr_end=r["lr_end"], lr_warmup_steps=max(0, r["lr_warmup_steps"]),
                       sft_steps=args.sft_steps, warm_start_precision=args.warm_start_precision,
                       threads=args.threads, model_dir=None if smol else args.model,
                       max_steps=args.max_steps, greedy=not args.no_greedy, rewards=args.rewards,
