@@ -4,8 +4,9 @@ warm start, LangChain's `create_agent` through `wrap()`, RL on the vLLM CPU serv
 The CI run is the command line's own recipe (`lightning-mw demo --model smollm2 --task arith`,
 ARITH_RECIPE) with a budget of CI_STEPS RL steps instead of 20 minutes, capped at
 CI_MAX_MINUTES. The margin comes from measured runs of exactly this configuration
-(docs/demo.md, "CI test"); 128 held-out problems give a difference of two success rates near
-75% a standard deviation of ~5.4 pp from sampling alone.
+(docs/demo.md, "SmolLM2 CI test"); 128 held-out problems give a difference of two success rates
+near 75% a standard deviation of ~5.4 pp from sampling alone, so the test asks for a gain above
+zero: learning, not its size (the 20-minute recipe's +16 to +24 pp say that).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 
 CI_STEPS = 6
 CI_MAX_MINUTES = 25.0
-CI_MIN_GAIN_PP = 2.0
+CI_MIN_GAIN_PP = 0.0  # measured +9.4 and +10.9 pp (docs/demo.md): ~1.8 sigma of the evaluation's noise below
 
 
 def test_the_arith_command_runs_the_measured_recipe() -> None:
@@ -45,7 +46,7 @@ def test_the_arith_command_runs_the_measured_recipe() -> None:
 @pytest.mark.vllm
 @pytest.mark.timeout(3600)
 def test_short_smol_demo_learns(tmp_path: Path) -> None:
-    """~12 min on 2 AVX512-BF16 cores, the SFT warm start included (cached afterwards)."""
+    """14-16 min on 2 AVX512-BF16 cores (the SFT warm start, 90 s, cached afterwards)."""
     pytest.importorskip("torch")
     pytest.importorskip("langchain")
     from lightning_middleware.cli import build_parser
@@ -76,5 +77,5 @@ def test_short_smol_demo_learns(tmp_path: Path) -> None:
     assert sum(c.get("rows_prefix_breaks", 0) for c in curve) <= 0.1 * sum(c.get("rows_merges", 0) for c in curve)
     assert (tmp_path / "smol" / "reward_curve.png").stat().st_size > 10_000
     gain = 100 * (after["success"] - before["success"])
-    assert gain >= CI_MIN_GAIN_PP, f"held-out {before['success']:.1%} -> {after['success']:.1%} ({gain:+.1f} pp)"
+    assert gain > CI_MIN_GAIN_PP, f"held-out {before['success']:.1%} -> {after['success']:.1%} ({gain:+.1f} pp)"
     assert after["valid_tool_call"] >= before["valid_tool_call"] - 0.05
