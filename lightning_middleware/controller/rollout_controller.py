@@ -24,6 +24,7 @@ Ray and the kubernetes client are imported only when their backend starts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
@@ -246,7 +247,7 @@ class RolloutController:
             except asyncio.CancelledError:
                 outcome = RolloutOutcome(status=RolloutStatus.FAILED.value, error="cancelled by the controller",
                                          ended_by_controller=True)
-                await asyncio.shield(asyncio.to_thread(self._end_in_store, job, outcome))
+                await _finish_despite_cancellation(asyncio.to_thread(self._end_in_store, job, outcome))
                 raise
             except Exception as exc:  # a backend bug or an unreachable cluster: fail this rollout
                 log.exception("backend %s failed on rollout %s", self.backend.name, job.rollout_id)
@@ -438,3 +439,12 @@ def run_rollouts(agent: AgentFn | str, tasks: TaskSource, *, n: int = 1,
     mode = controller_kwargs.pop("mode", Mode.TRAIN.value)
     with RolloutController(agent, **controller_kwargs) as c:
         return c.run(tasks, n=n, mode=mode)
+
+
+async def _finish_despite_cancellation(write: Any) -> None:
+    """Await a short store write to its end though cancelled again: recorded before cancel returns."""
+    task = asyncio.ensure_future(write)
+    while not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(task)
+    task.result()
