@@ -28,7 +28,9 @@ from lightning_middleware import TraceStore
 from lightning_middleware.testing import LLMTestServer, PostgresTestServer
 from lightning_middleware.testing.secret_scan import Finding, scan_database, scan_tree
 
-pytest_plugins = ["tests.fixtures_vllm"]  # one real vLLM CPU server per session, for the tests that ask
+# tests.fixtures_vllm: one real vLLM CPU server per session, for the tests that ask;
+# tests.leaks: the run fails if a test leaves a thread, a child process or a server running
+pytest_plugins = ["tests.fixtures_vllm", "tests.leaks"]
 
 # A key or token literal in a test's source (`api_key="..."`, `token = "..."`, `"Bearer ..."`);
 # placeholders (shorter than 6 characters, or one lower-case word like "unused") are left out.
@@ -70,6 +72,19 @@ def _no_credentials_in_any_store(tmp_path_factory: pytest.TempPathFactory) -> It
     session fixtures' `mktemp` directories), checked once the session is done."""
     yield
     _fail_on(scan_tree(tmp_path_factory.getbasetemp(), TEST_CREDENTIALS, _scanned), "the session's stores")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """The daemons `tests.trainer.test_daemon.make_daemon` built are closed when the test's body
+    ends, before its fixtures' teardown: a daemon left open renews its lease from a thread,
+    against a database the `pg_url` fixture is about to drop."""
+    yield
+    import sys
+
+    helpers = sys.modules.get("tests.trainer.test_daemon")
+    while helpers is not None and helpers.OPEN_DAEMONS:
+        helpers.OPEN_DAEMONS.pop().close()
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ the test kubelet runs every Job's container (the worker entrypoint) as a local p
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -66,19 +67,20 @@ def test_rollouts_run_as_jobs_and_land_in_the_store(cluster: Cluster, llm_server
 
 
 def test_failures_are_classified_and_infrastructure_ones_retried(cluster: Cluster, llm_server: LLMTestServer,
-                                                                 sq: TraceStore) -> None:
+                                                                 sq: TraceStore, slowness: float) -> None:
     api, kubelet = cluster
+    timeout, grace = 10.0 * slowness, 10.0 * slowness  # 10 s each on a quiet machine
     faults = ["oom", "image_pull", "evict", "node_lost"]
     tasks = A.make_tasks(llm_server, sq, 8)
     for t, fault in zip(tasks, faults):
         t["fault"] = fault
     tasks[4]["exit_code"] = 3  # the agent's process dies: failed with its last log lines, not retried
-    tasks[5]["sleep"] = 60  # the worker's own alarm: timeout, with the spans so far
-    tasks[6]["fault"] = "slow_start:30"  # never started in time: the Job's deadline (timeout 10 + grace 10 s)
+    tasks[5]["sleep"] = 6 * timeout  # the worker's own alarm: timeout, with the spans so far
+    tasks[6]["fault"] = f"slow_start:{1.5 * (timeout + grace):g}"  # never started in time: the Job's deadline
     tasks[7]["crash"] = True  # the agent raised: failed, not retried
-    backend = _backend(api, template={"startup_grace_s": 10.0})
+    backend = _backend(api, template={"startup_grace_s": grace})
     with RolloutController("tests.controller.controller_agents:tool_agent", store=sq, backend=backend,
-                           concurrency=8, timeout_s=10.0, retry=RetryPolicy(max_attempts=2, backoff_s=0.05)) as c:
+                           concurrency=8, timeout_s=timeout, retry=RetryPolicy(max_attempts=2, backoff_s=0.05)) as c:
         results = {r.task_id: r for r in c.run(tasks)}
     for i, fault in enumerate(faults):
         res = results[f"t{i}"]
@@ -98,9 +100,10 @@ def test_failures_are_classified_and_infrastructure_ones_retried(cluster: Cluste
     assert "agent log line 29" in exited.error and "agent log line 5\n" not in exited.error  # the last 20 lines
     assert len(sq.calls(exited.rollout_id)) == 1  # the span flushed before the exit stays
     slow = results["t5"]
-    assert slow.status == "timeout" and "10s timeout" in slow.error and len(sq.calls(slow.rollout_id)) == 1
+    assert slow.status == "timeout" and f"{timeout:g}s timeout" in slow.error and len(sq.calls(slow.rollout_id)) == 1
     late = results["t6"]
-    assert late.status == "timeout" and "activeDeadlineSeconds (20s)" in late.error and late.attempts == 1
+    assert late.status == "timeout" and f"activeDeadlineSeconds ({math.ceil(timeout + grace)}s)" in late.error
+    assert late.attempts == 1
     crash = results["t7"]
     assert crash.status == "failed" and crash.error == "ValueError: tool exploded" and crash.attempts == 1
     assert sq.query_rollouts(status="running") == []

@@ -92,15 +92,16 @@ def test_a_batch_runs_its_rollouts_in_one_pod_with_results_per_rollout(cluster: 
 
 
 def test_a_rollout_that_fails_or_times_out_leaves_its_batch_mates_alone(cluster: Cluster, llm_server: LLMTestServer,
-                                                                         sq: TraceStore) -> None:
+                                                                         sq: TraceStore, slowness: float) -> None:
     api, _ = cluster
+    timeout = 8.0 * slowness
     tasks = A.make_tasks(llm_server, sq, 4)
     tasks[1]["crash"] = True  # the agent raised: failed, not retried
-    tasks[2]["sleep"] = 60  # the worker's alarm ends it at its own timeout; the next one still runs
+    tasks[2]["sleep"] = 6 * timeout  # the worker's alarm ends it at its own timeout; the next one still runs
     exits = [{**t, "task_id": f"x{i}"} for i, t in enumerate(A.make_tasks(llm_server, sq, 3))]
     exits[1]["exit_code"] = 3  # the agent's process dies mid-batch
     backend = _backend(api, 4, batch_linger_s=0.5)
-    with RolloutController(AGENT, store=sq, backend=backend, concurrency=4, timeout_s=8.0, policy_version=0,
+    with RolloutController(AGENT, store=sq, backend=backend, concurrency=4, timeout_s=timeout, policy_version=0,
                            retry=RetryPolicy(max_attempts=2, backoff_s=0.05)) as c:
         first = {r.task_id: r for r in c.run(tasks)}
         assert backend.jobs_created == 1
@@ -109,7 +110,8 @@ def test_a_rollout_that_fails_or_times_out_leaves_its_batch_mates_alone(cluster:
     assert first["t0"].status == first["t3"].status == "succeeded"
     assert first["t1"].status == "failed" and first["t1"].error == "ValueError: tool exploded"
     slow = first["t2"]
-    assert slow.status == "timeout" and "8s timeout" in (slow.error or "") and len(sq.calls(slow.rollout_id)) == 1
+    assert slow.status == "timeout" and f"{timeout:g}s timeout" in (slow.error or "")
+    assert len(sq.calls(slow.rollout_id)) == 1
     assert all(r.attempts == 1 for r in first.values())
     assert [second[r].task_id for r in order] == ["x0", "x1", "x2"]  # the batch runs in arrival order
     ok, died, after = (second[r] for r in order)
@@ -254,14 +256,16 @@ def test_reap_keeps_a_batch_job_while_any_of_its_rollouts_heartbeats(cluster: Cl
 
 
 def test_a_batch_that_never_starts_is_classified_and_requeued(cluster: Cluster, llm_server: LLMTestServer,
-                                                              sq: TraceStore) -> None:
+                                                              sq: TraceStore, slowness: float) -> None:
     api, _ = cluster
+    timeout, grace = 5.0 * slowness, 10.0 * slowness
+    deadline = math.ceil(2 * timeout + grace)  # two rollouts one after the other, plus the start-up grace
     pull = A.make_tasks(llm_server, sq, 2)
     pull[0]["fault"] = "image_pull"  # the batch's pod never starts: the Job is deleted, all re-queued
     late = [{**t, "task_id": f"s{i}"} for i, t in enumerate(A.make_tasks(llm_server, sq, 2))]
-    late[0]["fault"] = "slow_start:40"  # past the batch Job's deadline (2 x 5 s + 10 s grace)
-    backend = _backend(api, 2, batch_linger_s=0.5, template={"startup_grace_s": 10.0})
-    with RolloutController(AGENT, store=sq, backend=backend, concurrency=2, timeout_s=5.0, policy_version=0,
+    late[0]["fault"] = f"slow_start:{2 * deadline}"  # past the batch Job's deadline
+    backend = _backend(api, 2, batch_linger_s=0.5, template={"startup_grace_s": grace})
+    with RolloutController(AGENT, store=sq, backend=backend, concurrency=2, timeout_s=timeout, policy_version=0,
                            retry=RetryPolicy(max_attempts=2, backoff_s=0.05)) as c:
         pulled = c.run(pull)
         timed = c.run(late)
@@ -269,28 +273,30 @@ def test_a_batch_that_never_starts_is_classified_and_requeued(cluster: Cluster, 
     errors = sorted((sq.get_rollout(r.rollout_ids[0]).error or "").split(":")[0] for r in pulled)  # type: ignore[union-attr]
     assert errors == ["BatchCutShort", "PodImagePullFailed"]
     first, second = sorted(timed, key=lambda r: r.attempts)
-    assert first.status == "timeout" and first.attempts == 1 and "activeDeadlineSeconds (20s)" in (first.error or "")
+    assert first.status == "timeout" and first.attempts == 1
+    assert f"activeDeadlineSeconds ({deadline}s)" in (first.error or "")
     assert second.status == "succeeded" and second.attempts == 2  # never started: re-queued
     assert sq.query_rollouts(status="running") == []
 
 
 def test_a_pod_runs_its_batch_concurrently_with_pod_concurrency(cluster: Cluster, llm_server: LLMTestServer,
-                                                                 sq: TraceStore) -> None:
+                                                                 sq: TraceStore, slowness: float) -> None:
     api, kubelet = cluster
+    timeout = 8.0 * slowness
     tasks = A.make_tasks(llm_server, sq, 4, sleep=0.5)
-    tasks[1]["sleep"] = 60  # cancelled at its own timeout; its batch-mates run beside it
+    tasks[1]["sleep"] = 6 * timeout  # cancelled at its own timeout; its batch-mates run beside it
     tasks[2]["crash"] = True
     backend = _backend(api, 4, pod_concurrency=4, batch_linger_s=0.5)
     with RolloutController("tests.controller.controller_agents:async_tool_agent", store=sq, backend=backend,
-                           concurrency=4, timeout_s=8.0, policy_version=0, retry=RetryPolicy(max_attempts=1)) as c:
+                           concurrency=4, timeout_s=timeout, policy_version=0, retry=RetryPolicy(max_attempts=1)) as c:
         results = {r.task_id: r for r in c.run(tasks)}
         (job,) = api.objects("jobs", run_selector(backend.run_id))
     assert results["t0"].status == results["t3"].status == "succeeded"
-    assert results["t1"].status == "timeout" and "8s timeout" in (results["t1"].error or "")
+    assert results["t1"].status == "timeout" and f"{timeout:g}s timeout" in (results["t1"].error or "")
     assert results["t2"].status == "failed" and results["t2"].error == "ValueError: tool exploded"
     assert A.max_overlap(sq.query_rollouts()) == 4 and kubelet.pods_started == 1  # all four at once, one pod
     assert _env(job)["LIGHTNING_ROLLOUT_CONCURRENCY"] == "4"
-    assert job["spec"]["activeDeadlineSeconds"] == 2 * 8 + 30  # the last starts within one timeout
+    assert job["spec"]["activeDeadlineSeconds"] == math.ceil(2 * timeout + 30)  # the last starts within one timeout
 
 
 def test_a_pod_killed_with_several_rollouts_running_fails_those_only(cluster: Cluster, llm_server: LLMTestServer,

@@ -63,6 +63,10 @@ def run_rollouts(server: LLMTestServer, store: TraceStore, tasks: dict[str, list
                 pass
 
 
+# Every daemon make_daemon built, closed after its test by the root conftest (tests/conftest.py)
+OPEN_DAEMONS: list[TrainerDaemon] = []
+
+
 def make_daemon(store: TraceStore, model_dir: Path, tmp_path: Path, **kw) -> TrainerDaemon:
     group = kw.pop("group", GroupPolicy(group_size=4, groups_per_step=2, min_group_size=2))
     trainer_id = kw.pop("trainer_id", "trainer-0")
@@ -70,7 +74,9 @@ def make_daemon(store: TraceStore, model_dir: Path, tmp_path: Path, **kw) -> Tra
     engine = TorchEngine(start, TorchEngineConfig(lr=1e-3, precision="fp32"), policy_version=version)
     config = TrainerConfig(checkpoint_dir=str(tmp_path / f"ckpt-{trainer_id}"), trainer_id=trainer_id,
                            group=group, poll_interval_s=0.05, **kw)
-    return TrainerDaemon(store, engine, config)
+    daemon = TrainerDaemon(store, engine, config)
+    OPEN_DAEMONS.append(daemon)
+    return daemon
 
 
 def test_step_consumes_groups_and_commits_version(llm_server, store, model_dir, tmp_path) -> None:
@@ -205,6 +211,23 @@ def test_one_live_daemon_per_trainer_id_and_no_batch_trained_twice(llm_server, p
     trained = [rid for s in store.train_steps() for rid in s.rollout_ids]
     assert len(results) == 2 and len(trained) == len(set(trained)) == 8
     second.close()
+
+
+def test_a_daemon_dropped_without_close_stops_renewing_its_lease(store, model_dir, tmp_path) -> None:
+    """The lease thread holds its daemon weakly: once nobody holds the daemon it stops beating (and
+    logging against a store that may be gone), so its lease expires and the id can be taken again."""
+    import gc
+
+    before = set(threading.enumerate())
+    daemon = make_daemon(store, model_dir, tmp_path, lease_s=0.4)
+    OPEN_DAEMONS.remove(daemon)
+    [beat] = [t for t in set(threading.enumerate()) - before if t.name == "lease-trainer-0"]
+    del daemon
+    gc.collect()
+    beat.join(timeout=5)
+    assert not beat.is_alive()
+    time.sleep(0.5)  # past the lease
+    make_daemon(store, model_dir, tmp_path / "again", lease_s=0.4).close()  # the id is free again
 
 
 def test_a_batch_without_trainable_rows_commits_no_version(llm_server, store, model_dir, tmp_path) -> None:

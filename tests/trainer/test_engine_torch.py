@@ -177,6 +177,14 @@ def test_bf16_precision_trains_fp32_masters_and_saves_them(model_dir, tmp_path):
 
 
 def test_compiled_layers_take_the_same_step(model_dir):
+    """Compiled layers compute the same loss, gradient norm and update as eager ones, up to rounding.
+
+    The update is compared per tensor, relative to its size: Adam divides each gradient element by
+    its own running RMS, so an element whose gradient is near zero turns the kernels' different
+    rounding into a visible step (on an AVX2 EPYC: 6e-6 absolute in mlp.down_proj after two steps at
+    lr 1e-3, a relative difference below 1e-4 in every tensor). k_proj's bias is left out: its
+    gradient is zero in exact arithmetic (softmax ignores a constant added to every key's score), so
+    Adam makes steps of ~lr out of rounding alone, and those differ wherever the kernels do."""
     rows = make_rows(PROMPTS, advantages={"good": 1.0, "bad": -1.0})
     results = []
     for compiled in (False, True):
@@ -188,8 +196,12 @@ def test_compiled_layers_take_the_same_step(model_dir):
     for a, b in zip(m_eager, m_comp):
         for key in ("loss", "grad_norm", "entropy"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    init = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     for k in s_eager:
-        assert torch.allclose(s_eager[k], s_comp[k], atol=1e-5), k
+        if k.endswith("self_attn.k_proj.bias"):
+            continue
+        step_eager, step_comp = s_eager[k] - init[k], s_comp[k] - init[k]
+        assert float((step_eager - step_comp).norm()) <= 1e-3 * float(step_eager.norm()) + 1e-7, k
 
 
 def test_precision_is_checked(model_dir):

@@ -34,6 +34,7 @@ import shutil
 import statistics
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -77,7 +78,8 @@ class TrainerDaemon:
         # One live run per trainer id (refused otherwise): a second daemon of the same id would
         # release this one's claims and train them again. Taken before touching any claim.
         self.run_id = self.store.acquire_trainer(config.trainer_id, lease_s=config.lease_s)
-        self._heartbeat = threading.Thread(target=self._beat, daemon=True, name=f"lease-{config.trainer_id}")
+        self._heartbeat = threading.Thread(target=_beat, args=(weakref.ref(self), self._closed, config.lease_s / 4),
+                                           daemon=True, name=f"lease-{config.trainer_id}")
         self._heartbeat.start()
         self._step = self._last_step()
         released = self.store.release_claims(config.trainer_id)
@@ -123,17 +125,6 @@ class TrainerDaemon:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
-
-    def _beat(self) -> None:
-        while not self._closed.wait(self.config.lease_s / 4):
-            try:
-                self.store.trainer_heartbeat(self.config.trainer_id, self.run_id)
-            except LeaseLost as exc:  # another run took the id over: this one must not commit
-                log.error("%s; stopping", exc)
-                self._stop.set()
-                return
-            except Exception as exc:  # noqa: BLE001 - a store hiccup: the next beat retries
-                log.warning("trainer lease heartbeat failed: %s", exc)
 
     def run(self, *, max_steps: int | None = None, idle_timeout_s: float | None = None,
             on_step: Callable[[StepResult], None] | None = None) -> list[StepResult]:
@@ -405,3 +396,22 @@ def _quartiles(values: Sequence[float]) -> list[float]:
     if len(values) < 2:
         return [values[0]] * 3
     return statistics.quantiles(values, n=4, method="inclusive")
+
+
+def _beat(daemon_ref: weakref.ref[TrainerDaemon], closed: threading.Event, interval_s: float) -> None:
+    """Renew the daemon's lease until it is closed. The thread holds the daemon weakly: one dropped
+    without `close()` stops beating once collected, and its lease then expires, instead of a
+    thread nobody can reach renewing it (and logging against a store that is gone) forever."""
+    while not closed.wait(interval_s):
+        daemon = daemon_ref()
+        if daemon is None:
+            return
+        try:
+            daemon.store.trainer_heartbeat(daemon.config.trainer_id, daemon.run_id)
+        except LeaseLost as exc:  # another run took the id over: this one must not commit
+            log.error("%s; stopping", exc)
+            daemon.stop()
+            return
+        except Exception as exc:  # noqa: BLE001 - a store hiccup: the next beat retries
+            log.warning("trainer lease heartbeat failed: %s", exc)
+        del daemon  # not held across the wait
