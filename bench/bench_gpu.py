@@ -133,7 +133,7 @@ def make_model(root: Path, name: str) -> tuple[Path, int]:
 
 
 def bench_cell(path: Path, n_params: int, name: str, mode: str, rows: list, *, device: torch.device,
-               steps: int, peak: float, micro_batch_tokens: int) -> dict:
+               steps: int, peak: float, micro_batch_tokens: int, precision: str = "bf16") -> dict:
     """One model x mode: a warm-up step, then `steps` timed steps (the best one counts)."""
     from trainer_backend.engines.lora import AdapterConfig
     from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig
@@ -143,7 +143,7 @@ def bench_cell(path: Path, n_params: int, name: str, mode: str, rows: list, *, d
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    engine = TorchEngine(path, TorchEngineConfig(lr=1e-6, precision="bf16", lora=lora,
+    engine = TorchEngine(path, TorchEngineConfig(lr=1e-6, precision=precision, lora=lora,
                                                  micro_batch_tokens=micro_batch_tokens,
                                                  activation_budget_mb=None), device=str(device))
     load_s = time.perf_counter() - t0
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> dict:
             for mode in args.modes.split(","):
                 try:
                     cell = bench_cell(path, n_params, model, mode, rows, device=device, steps=args.steps, peak=peak,
-                                      micro_batch_tokens=args.micro_batch_tokens)
+                                      micro_batch_tokens=args.micro_batch_tokens, precision=args.precision)
                 except Exception as exc:  # noqa: BLE001 - a failed cell is reported, the others still run
                     log.exception("%s %s failed", model, mode)
                     cell = dict(model=model, mode=mode, error=f"{type(exc).__name__}: {exc}")
@@ -225,6 +225,8 @@ def main() -> None:
     rn.add_argument("--batch", type=int, default=64, help="rows per step")
     rn.add_argument("--steps", type=int, default=3)
     rn.add_argument("--micro-batch-tokens", type=int, default=16384)
+    rn.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                    help="fp32: the CPU check on a CPU without native bf16 (MFU is still against the bf16 peak)")
     rn.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if args.cmd == "export":

@@ -24,17 +24,18 @@ from trainer_backend.demo.task import (
 )
 from trainer_backend.demo.warm_start import WarmStartConfig
 
-# The CI run: seed 0, async, a budget of CI_STEPS RL steps (the lr schedule decays over them)
-# capped at CI_MAX_MINUTES, sampled evaluation on CI_EVAL_TASKS held-out tasks. A budget in steps
-# holds on both CPU kinds: RL runs in fp32 everywhere and reaches ~40 steps in 4-4.5 minutes on
-# an AVX-512-BF16 and on an AVX2 machine; what differs is the warm start (bf16 autocast where
-# native, fp32 elsewhere). Measured for 40 steps (docs/demo.md, "CI test"): bf16 warm start
-# +16.4 pp, fp32 warm start (the AVX2 machines' choice) +12.9 pp. 512 tasks put the evaluation
-# noise of the gain at ~3.1 pp; 6 pp sits ~2 sigma below the lower of the two.
-CI_STEPS = 40
+# The CI run: seed 0, async, a budget of CI_STEPS RL steps (the lr warms up over them) capped at
+# CI_MAX_MINUTES, a sampled evaluation on CI_EVAL_TASKS held-out tasks before and after. What it
+# asserts learned is the served policy's preference for the completions the rewards favoured
+# (tests/demo/learning.py), which needs no sampling; the held-out gain needs 40 steps and 512 tasks
+# twice to rise clear of its noise (+16.4 pp with a bf16 warm start, +12.9 pp fp32): that run is
+# `python bench/bench_learning.py guess` (docs/demo.md, "CI test").
+CI_STEPS = 10
 CI_MAX_MINUTES = 8.0
-CI_EVAL_TASKS = 512
-CI_MIN_GAIN_PP = 6.0
+CI_EVAL_TASKS = 128
+# The preference's z (its mean over its standard error across the 640 trained rollouts): 8.4
+# measured on AVX2; 3 sits 5.4 standard errors below it (docs/demo.md, "CI test").
+CI_MIN_Z = 3.0
 
 
 def test_game_rules_and_bisection_always_wins() -> None:
@@ -109,31 +110,39 @@ def test_cli_registers_demo() -> None:
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)
 def test_short_demo_learns(tmp_path: Path) -> None:
-    """~6 min on 2 cores (+2-4 min the first time, to build the warm start cached under $LIGHTNING_HOME/demo)."""
+    """~4 min on 2 cores (+4-5 min the first time, to build the warm start cached under $LIGHTNING_HOME/demo)."""
     pytest.importorskip("torch")
     pytest.importorskip("langchain_openai")
-    from trainer_backend.demo.run import DemoConfig, run_demo
+    from tests.demo.learning import Preference, served_preference
+    from trainer_backend.demo.run import DemoConfig, DemoRun, run_demo
     from trainer_backend.serving import env as serving
 
     if not serving.vllm_python().exists() and os.environ.get("LIGHTNING_TEST_INSTALL_VLLM") != "1":
         pytest.skip("no vLLM environment: run `lightning-mw vllm-env`")
+    seen: dict[str, Preference] = {}
+
+    def preference(run: DemoRun) -> None:
+        assert run.store is not None and run.server is not None
+        seen["it"] = served_preference(run.store, run.server.url)
+
     res = run_demo(DemoConfig(out_dir=str(tmp_path / "demo"), seed=0, minutes=CI_MAX_MINUTES, max_steps=CI_STEPS,
-                              eval_tasks=CI_EVAL_TASKS, greedy=False, progress=False))
-    before, after = res["before"]["sampled"]["success"], res["after"]["sampled"]["success"]
-    print(f"CI demo on {res['machine']['kind']} (warm start {res['warm_start']['precision']}): "
+                              eval_tasks=CI_EVAL_TASKS, greedy=False, progress=False), after_train=preference)
+    before, after, pref = res["before"]["sampled"]["success"], res["after"]["sampled"]["success"], seen["it"]
+    print(f"CI demo on {res['machine']['kind']} (warm start {res['warm_start']['precision']}): served preference "
+          f"{pref.mean:+.3f} nats (z {pref.z:.1f}, {pref.n} rollouts, moved {pref.moved:.3f}); held-out "
           f"{before:.1%} -> {after:.1%} in {res['steps']} steps, {res['timings']['rl_s'] / 60:.1f} min of RL")
     assert res["before"]["sampled"]["n"] == CI_EVAL_TASKS and res["before"]["sampled"]["errors"] == 0
-    assert 0.10 <= before <= 0.60, f"baseline {before:.1%} outside 10-60%"
-    assert res["steps"] >= 30, (f"only {res['steps']} of {CI_STEPS} RL steps within {CI_MAX_MINUTES:g} min: "
-                                "this machine is much slower than the ones the margin was measured on")
+    assert 0.05 <= before <= 0.75, f"baseline {before:.1%} outside 5-75%"  # measured 45.7-50.0%
+    assert res["steps"] == CI_STEPS, f"only {res['steps']} of {CI_STEPS} RL steps within {CI_MAX_MINUTES:g} min"
     # the real path: every trained rollout came through wrap() with token IDs (>= 1 row each).
     # Prefix breaks are not asserted: RL may drift the unrewarded "\n" before </tool_call>,
     # which the template re-renders, so turns split into rows (still trained correctly; docs/demo.md).
     assert all(c.get("rows_rows", 0) >= c["rollouts"] > 0 for c in res["curve"])
     assert sum(c.get("rows_calls_used", 0) for c in res["curve"]) > sum(c["rollouts"] for c in res["curve"])
     assert (tmp_path / "demo" / "reward_curve.png").stat().st_size > 10_000
-    gain = 100 * (after - before)
-    assert gain >= CI_MIN_GAIN_PP, f"held-out success {before:.1%} -> {after:.1%} ({gain:+.1f} pp)"
+    # learned: the served model moved, toward the completions the rewards favoured, and did not collapse
+    assert pref.moved > 1e-3 and pref.z >= CI_MIN_Z, pref
+    assert after >= 0.5 * before, f"held-out success {before:.1%} -> {after:.1%}"
 
 
 def test_lr_schedule_warms_up_by_step_then_decays_by_budget() -> None:

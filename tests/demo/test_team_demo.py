@@ -1,7 +1,7 @@
 """`lightning-mw demo --task team`, end to end and short: two LangGraph agents on one vLLM CPU
 server, each node's calls served and recorded under its own LoRA adapter, per-agent rewards in
-the store, each adapter trained on its own rows, and the team's held-out success rising. The
-margin comes from the measured runs (docs/policies.md, "The team demo")."""
+the store, each adapter trained on its own rows, and each served adapter moved toward what its own
+rewards favoured."""
 
 from __future__ import annotations
 
@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 
-# The measured runs (docs/policies.md): +21.9 pp (20 steps, loaded machine), +12.1 pp (20
-# steps, quiet machine), +18.4 pp (9 steps), +19.5 pp (team reward only); a 12-step run gained
-# only +9.0 pp (the lr still warming up), hence 20 steps. At 256 tasks the one-sigma noise of a
-# difference is ~4.4 pp; 5 pp sits about 2 sigma below the runs' mean (~16 pp).
-CI_STEPS = 20
+# The CI run: CI_STEPS steps and CI_EVAL_TASKS held-out tasks. What it asserts learned is each
+# adapter's served preference for the completions its own per-agent rewards favoured
+# (tests/demo/learning.py): z 9.8 over 576 (rollout, agent) units measured on AVX2, so 3 sits 6.8
+# standard errors below. The held-out gain (+21.9, +12.1, +18.4, +19.5 pp at 20 steps and 256
+# tasks, docs/policies.md) is `python bench/bench_learning.py team`.
+CI_STEPS = 6
 CI_MAX_MINUTES = 10.0
-CI_EVAL_TASKS = 256
-CI_MIN_GAIN_PP = 5.0
+CI_EVAL_TASKS = 64
+CI_MIN_Z = 3.0
 
 
 @pytest.mark.slow
@@ -28,22 +29,30 @@ def test_short_team_demo_trains_each_role_on_its_own_adapter(tmp_path: Path) -> 
     pytest.importorskip("torch")
     pytest.importorskip("peft")
     pytest.importorskip("langgraph")
-    from trainer_backend.demo.run import DemoConfig, run_demo
+    from tests.demo.learning import Preference, served_preference
+    from trainer_backend.demo.run import DemoConfig, DemoRun, run_demo
     from trainer_backend.demo.team import TeamDemoRun
     from trainer_backend.serving import env as serving
 
     if not serving.vllm_python().exists() and os.environ.get("LIGHTNING_TEST_INSTALL_VLLM") != "1":
         pytest.skip("no vLLM environment: run `lightning-mw vllm-env`")
     out = tmp_path / "team"
+    seen: dict[str, Preference] = {}
+
+    def preference(run: DemoRun) -> None:
+        assert run.store is not None and run.server is not None
+        seen["it"] = served_preference(run.store, run.server.url)
+
     res = run_demo(DemoConfig(out_dir=str(out), task="team", seed=0, minutes=CI_MAX_MINUTES, max_steps=CI_STEPS,
                               lr=2e-3, lr_end=1e-3, eval_tasks=CI_EVAL_TASKS, greedy=False, progress=False),
-                   TeamDemoRun)
-    roles = res["roles"]
-    print("CI team demo on " + res["machine"]["kind"] + ": "
+                   TeamDemoRun, after_train=preference)
+    roles, pref = res["roles"], seen["it"]
+    print("CI team demo on " + res["machine"]["kind"] + f": served preference {pref.mean:+.3f} nats (z {pref.z:.1f}, "
+          f"{pref.n} units, moved {pref.moved:.3f}); "
           + ", ".join(f"{k} {v['before']:.1%} -> {v['after']:.1%}" for k, v in roles.items())
           + f" in {res['steps']} steps")
     assert res["before"]["sampled"]["errors"] == 0 and res["after"]["sampled"]["errors"] == 0
-    assert res["steps"] >= 15, f"only {res['steps']} of {CI_STEPS} steps within {CI_MAX_MINUTES:g} min"
+    assert res["steps"] == CI_STEPS, f"only {res['steps']} of {CI_STEPS} steps within {CI_MAX_MINUTES:g} min"
     # each role's calls went to its own adapter, named by its LangGraph node; none to the base name
     db = sqlite3.connect(out / "traces.db")
     pairs = set(db.execute("select agent_name, model from llm_calls"))
@@ -56,5 +65,5 @@ def test_short_team_demo_trains_each_role_on_its_own_adapter(tmp_path: Path) -> 
     assert sum(1 for c in curve if c.get("scout/rows", 0) > 0) >= len(curve) // 2
     assert sum(1 for c in curve if c.get("closer/rows", 0) > 0) >= len(curve) // 2
     assert (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("v*/scout/adapter_model.safetensors"))
-    gain = roles["success"]["gain_pp"]
-    assert gain >= CI_MIN_GAIN_PP, f"team held-out success {roles['success']} ({gain:+.1f} pp)"
+    # learned: each adapter moved toward the completions its own rewards favoured
+    assert pref.moved > 1e-3 and pref.z >= CI_MIN_Z, pref

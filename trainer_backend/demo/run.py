@@ -30,6 +30,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -92,9 +93,11 @@ class DemoConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def run_demo(cfg: DemoConfig, run_class: type[DemoRun] | None = None) -> dict[str, Any]:
+def run_demo(cfg: DemoConfig, run_class: type[DemoRun] | None = None,
+             after_train: Callable[[DemoRun], None] | None = None) -> dict[str, Any]:
     """Warm start, serve, evaluate, train, evaluate again. Returns the results (also written to
-    OUT/results.json, with OUT/reward_curve.png). `run_class`: a DemoRun with other steps (the team task)."""
+    OUT/results.json, with OUT/reward_curve.png). `run_class`: a DemoRun with other steps (the team task).
+    `after_train(run)` is called once RL has ended, with the trained policy still served."""
     if cfg.mode not in ("async", "sync"):
         raise ValueError(f"mode must be async or sync, not {cfg.mode!r}")
     run = (run_class or DemoRun)(cfg)
@@ -103,6 +106,8 @@ def run_demo(cfg: DemoConfig, run_class: type[DemoRun] | None = None) -> dict[st
         run.serve()
         run.results["before"] = run.evaluate("before")
         run.train()
+        if after_train is not None:
+            after_train(run)
         run.results["after"] = run.evaluate("after")
         return run.report()
     finally:
@@ -135,6 +140,7 @@ class DemoRun:
         self.daemon: TrainerDaemon | None = None
         self._threads: list[threading.Thread] = []
         self._timer: threading.Timer | None = None
+        self._threads_before: int | None = None
 
     # -- 1. warm start ----------------------------------------------------------------
     def warm_start(self) -> None:
@@ -205,6 +211,7 @@ class DemoRun:
         assert store is not None and controller is not None and self.server is not None and self.model_dir
         # async: one trainer thread, the other core samples; sync: vLLM idles while the trainer
         # runs, so torch's default (all cores). As measured in docs/benchmarks.md.
+        self._threads_before = torch.get_num_threads()  # given back by close(): the process may go on
         torch.set_num_threads(cfg.threads or (1 if cfg.mode == "async" else (os.cpu_count() or 1)))
         engine = self._engine(self._engine_config())
         daemon = self.daemon = TrainerDaemon(
@@ -308,6 +315,10 @@ class DemoRun:
                 self.server.stop()
             if self.store is not None:
                 self.store.close()
+            if self._threads_before is not None:
+                import torch
+
+                torch.set_num_threads(self._threads_before)
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)

@@ -89,9 +89,11 @@ def warm_start(base: Path, out: Path, cfg: SmolWarmStart) -> Path:
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from trainer_backend.demo.warm_start import idle_cores
     from trainer_backend.engines.lora import AdapterConfig, peft_config
 
     torch.manual_seed(cfg.seed)
+    torch.set_num_threads(idle_cores())  # not whatever the process last set (an async RL run sets 1)
     tok = AutoTokenizer.from_pretrained(base)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                            peft_config(AdapterConfig(rank=cfg.rank, alpha=2 * cfg.rank)))
