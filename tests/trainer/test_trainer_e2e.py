@@ -80,6 +80,7 @@ def test_daemon_trains_publishes_and_the_server_moves(vllm_server, tied_checkpoi
     assert after[good.id] > before[good.id]  # positive advantage: made more likely
     assert after[bad.id] < before[bad.id]  # negative advantage: made less likely
 
+    daemon.close()
     run_rollouts("after")
     new = store.query_rollouts(consumed=False)
     new_calls = store.calls_for([r.id for r in new], training_only=True)
