@@ -25,17 +25,21 @@ import statistics
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 
 from lightning_middleware import LLMCall, TraceStore
 from lightning_middleware.rows import build_rows
 
+if TYPE_CHECKING:
+    from trainer_backend.demo.run import DemoRun
+
 
 @dataclass(frozen=True)
 class Preference:
     mean: float  # mean of A * D over the units (nats)
-    stderr: float  # its standard error over the rollouts
+    stderr: float  # its standard error over the units
     n: int  # (rollout, agent) units with a nonzero advantage
     moved: float  # mean |D|: how far the served policy moved on them (nats)
 
@@ -53,16 +57,27 @@ def served_logprobs(server_url: str, model: str, ids: tuple[int, ...]) -> list[f
     return [0.0] + [per_position[i][str(tok)]["logprob"] for i, tok in enumerate(ids) if i > 0]
 
 
+class PreferenceProbe:
+    """`run_demo(..., after_train=probe)`: measures the preference while the trained policy is served."""
+
+    def __init__(self) -> None:
+        self.result: Preference | None = None
+
+    def __call__(self, run: DemoRun) -> None:
+        assert run.store is not None and run.server is not None
+        self.result = served_preference(run.store, run.server.url)
+
+
 def served_preference(store: TraceStore, server_url: str) -> Preference:
     units: dict[tuple[str, str | None], tuple[tuple[int, str, str | None], float]] = {}  # -> (group, reward)
+    calls: dict[str, list[LLMCall]] = {}
     for step in store.train_steps():
         rollouts = [r for r in (store.get_rollout(rid) for rid in step.rollout_ids) if r is not None]
         per_agent = store.agent_rewards([r.id for r in rollouts])
-        agents = {rid: {c.agent_name for c in cs} for rid, cs in store.calls_for([r.id for r in rollouts],
-                                                                               training_only=True).items()}
+        calls.update(store.calls_for([r.id for r in rollouts], training_only=True))
         for r in rollouts:
             assert r.final_reward is not None, r.id
-            for agent in agents.get(r.id, ()):
+            for agent in {c.agent_name for c in calls.get(r.id, ())}:
                 reward = per_agent.get(r.id, {}).get(agent or "", r.final_reward)
                 units[(r.id, agent)] = ((step.step, r.task_id, agent), float(reward))
     groups: dict[tuple[int, str, str | None], list[float]] = defaultdict(list)
@@ -70,7 +85,6 @@ def served_preference(store: TraceStore, server_url: str) -> Preference:
         groups[group].append(reward)
     weighted = {u: reward - statistics.fmean(groups[group]) for u, (group, reward) in units.items()}
     weighted = {u: a for u, a in weighted.items() if a != 0.0}
-    calls = store.calls_for(list(dict.fromkeys(rid for rid, _ in weighted)), training_only=True)
     with ThreadPoolExecutor(8) as pool:
         moves = dict(zip(weighted, pool.map(lambda u: _move(server_url, u[0], calls[u[0]], u[1]), weighted)))
     values = [a * moves[u] for u, a in weighted.items()]

@@ -113,21 +113,16 @@ def test_short_demo_learns(tmp_path: Path) -> None:
     """~4 min on 2 cores (+4-5 min the first time, to build the warm start cached under $LIGHTNING_HOME/demo)."""
     pytest.importorskip("torch")
     pytest.importorskip("langchain_openai")
-    from tests.demo.learning import Preference, served_preference
-    from trainer_backend.demo.run import DemoConfig, DemoRun, run_demo
+    from tests.demo.learning import PreferenceProbe
+    from trainer_backend.demo.run import DemoConfig, run_demo
     from trainer_backend.serving import env as serving
 
     if not serving.vllm_python().exists() and os.environ.get("LIGHTNING_TEST_INSTALL_VLLM") != "1":
         pytest.skip("no vLLM environment: run `lightning-mw vllm-env`")
-    seen: dict[str, Preference] = {}
-
-    def preference(run: DemoRun) -> None:
-        assert run.store is not None and run.server is not None
-        seen["it"] = served_preference(run.store, run.server.url)
-
+    probe = PreferenceProbe()
     res = run_demo(DemoConfig(out_dir=str(tmp_path / "demo"), seed=0, minutes=CI_MAX_MINUTES, max_steps=CI_STEPS,
-                              eval_tasks=CI_EVAL_TASKS, greedy=False, progress=False), after_train=preference)
-    before, after, pref = res["before"]["sampled"]["success"], res["after"]["sampled"]["success"], seen["it"]
+                              eval_tasks=CI_EVAL_TASKS, greedy=False, progress=False), after_train=probe)
+    before, after, pref = res["before"]["sampled"]["success"], res["after"]["sampled"]["success"], probe.result
     print(f"CI demo on {res['machine']['kind']} (warm start {res['warm_start']['precision']}): served preference "
           f"{pref.mean:+.3f} nats (z {pref.z:.1f}, {pref.n} rollouts, moved {pref.moved:.3f}); held-out "
           f"{before:.1%} -> {after:.1%} in {res['steps']} steps, {res['timings']['rl_s'] / 60:.1f} min of RL")

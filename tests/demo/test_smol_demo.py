@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.demo.learning import Preference, served_preference
+from tests.demo.learning import PreferenceProbe
 
 CI_STEPS = 4
 CI_MAX_MINUTES = 25.0
@@ -60,7 +60,7 @@ def test_short_smol_demo_learns(tmp_path: Path) -> None:
     pytest.importorskip("langchain")
     from lightning_middleware.cli import build_parser
     from trainer_backend.demo.cli import config_from
-    from trainer_backend.demo.run import DemoRun, run_demo
+    from trainer_backend.demo.run import run_demo
     from trainer_backend.demo.smol import SmolDemoRun
     from trainer_backend.serving import env as serving
 
@@ -69,14 +69,9 @@ def test_short_smol_demo_learns(tmp_path: Path) -> None:
     args = build_parser().parse_args(["demo", "--model", "smollm2", "--task", "arith", "--seed", "0", "--no-greedy",
                                       "--max-steps", str(CI_STEPS), "--minutes", str(CI_MAX_MINUTES),
                                       "--eval-tasks", str(CI_EVAL_TASKS), "--out", str(tmp_path / "smol")])
-    seen: dict[str, Preference] = {}
-
-    def preference(run: DemoRun) -> None:
-        assert run.store is not None and run.server is not None
-        seen["it"] = served_preference(run.store, run.server.url)
-
-    res: dict[str, Any] = run_demo(replace(config_from(args), progress=False), SmolDemoRun, after_train=preference)
-    before, after, pref = res["before"]["sampled"], res["after"]["sampled"], seen["it"]
+    probe = PreferenceProbe()
+    res: dict[str, Any] = run_demo(replace(config_from(args), progress=False), SmolDemoRun, after_train=probe)
+    before, after, pref = res["before"]["sampled"], res["after"]["sampled"], probe.result
     print(f"CI SmolLM2 demo on {res['machine']['kind']}: served preference {pref.mean:+.3f} nats "
           f"(z {pref.z:.1f}, {pref.n} rollouts, moved {pref.moved:.3f}); held-out {before['success']:.1%} -> "
           f"{after['success']:.1%}, valid tool calls {before['valid_tool_call']:.1%} -> "

@@ -29,24 +29,19 @@ def test_short_team_demo_trains_each_role_on_its_own_adapter(tmp_path: Path) -> 
     pytest.importorskip("torch")
     pytest.importorskip("peft")
     pytest.importorskip("langgraph")
-    from tests.demo.learning import Preference, served_preference
-    from trainer_backend.demo.run import DemoConfig, DemoRun, run_demo
+    from tests.demo.learning import PreferenceProbe
+    from trainer_backend.demo.run import DemoConfig, run_demo
     from trainer_backend.demo.team import TeamDemoRun
     from trainer_backend.serving import env as serving
 
     if not serving.vllm_python().exists() and os.environ.get("LIGHTNING_TEST_INSTALL_VLLM") != "1":
         pytest.skip("no vLLM environment: run `lightning-mw vllm-env`")
     out = tmp_path / "team"
-    seen: dict[str, Preference] = {}
-
-    def preference(run: DemoRun) -> None:
-        assert run.store is not None and run.server is not None
-        seen["it"] = served_preference(run.store, run.server.url)
-
+    probe = PreferenceProbe()
     res = run_demo(DemoConfig(out_dir=str(out), task="team", seed=0, minutes=CI_MAX_MINUTES, max_steps=CI_STEPS,
                               lr=2e-3, lr_end=1e-3, eval_tasks=CI_EVAL_TASKS, greedy=False, progress=False),
-                   TeamDemoRun, after_train=preference)
-    roles, pref = res["roles"], seen["it"]
+                   TeamDemoRun, after_train=probe)
+    roles, pref = res["roles"], probe.result
     print("CI team demo on " + res["machine"]["kind"] + f": served preference {pref.mean:+.3f} nats (z {pref.z:.1f}, "
           f"{pref.n} units, moved {pref.moved:.3f}); "
           + ", ".join(f"{k} {v['before']:.1%} -> {v['after']:.1%}" for k, v in roles.items())
