@@ -100,3 +100,46 @@ def test_a_command_that_cannot_be_imported_says_why(tmp_path: Path, monkeypatch:
         with pytest.raises(UsageError, match="unavailable: ") as exc:
             args.func(args)  # the dispatcher prints a UsageError as one line and exits 2 (tests above)
         assert fragment in str(exc.value), exc.value
+
+
+def test_export_to_a_missing_directory_is_one_line(tmp_path: Path) -> None:
+    """Not argparse's usage block: the output's folder named on one line."""
+    store = f"sqlite:///{tmp_path / 'x.db'}"
+    _one_line(_run("export", "--store", store, "--out", "/nonexistent/dir/x.jsonl"),
+              "lightning-mw export:", "/nonexistent/dir does not exist")
+    _one_line(_run("export", "--store", store, "--out", str(tmp_path / "y.jsonl"), "--policy-version", "1",
+                   "--min-policy-version", "0"), "can't be combined")
+
+
+def test_the_gateway_with_a_bad_upstream_or_a_taken_port(tmp_path: Path) -> None:
+    import socket
+
+    store = f"sqlite:///{tmp_path / 'x.db'}"
+    _one_line(_run("gateway", "--upstream", "not-a-url", "--store", store),
+              "lightning-mw gateway:", "upstream must be an http(s) URL, got 'not-a-url'")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        _one_line(_run("gateway", "--upstream", "http://127.0.0.1:9/v1", "--store", store, "--port", str(port)),
+                  "lightning-mw gateway:", f"can't listen on 127.0.0.1:{port}")
+
+
+def test_serve_a_folder_that_is_not_a_model(tmp_path: Path) -> None:
+    """Checked before vLLM starts (a minute of loading, then a traceback, before)."""
+    _one_line(_run("serve", "/nonexistent"), "lightning-mw serve:", "no model folder at /nonexistent")
+    (tmp_path / "empty").mkdir()
+    _one_line(_run("serve", str(tmp_path / "empty")), "no config.json")
+
+
+@pytest.mark.vllm
+def test_serve_says_in_one_line_that_vllm_did_not_start(vllm_python: Path, tied_checkpoints, tmp_path: Path) -> None:
+    """A start failure (here a flag vLLM does not know) names the server's log instead of a traceback."""
+    log = tmp_path / "vllm.log"
+    proc = _run("serve", str(tied_checkpoints.base), "--vllm-args=--no-such-vllm-flag", "--log-path", str(log))
+    # the command logs the start as it always does; the failure is then one line, the last
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("lightning-mw serve: vLLM did not start: vLLM exited with code 2") and \
+        last.endswith(f"(log {log})"), proc.stderr[-3000:]
+    assert "no-such-vllm-flag" in log.read_text(), log.read_text()[-2000:]

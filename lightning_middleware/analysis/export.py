@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_middleware.errors import UsageError
 from lightning_middleware.records import LLMCall, Mode, Rollout, RolloutStatus
 from lightning_middleware.rows import build_rows
 from lightning_middleware.store import TraceStore, default_store_url, open_store
@@ -33,8 +34,9 @@ STATUSES = tuple(s.value for s in RolloutStatus)
 MODES = tuple(m.value for m in Mode)
 
 
-class ExportError(ValueError):
-    """A bad filter or output; the message says what to change."""
+class ExportError(UsageError, ValueError):
+    """A bad filter or output; the message says what to change (`lightning-mw export` prints it
+    on one line, as every command's bad input)."""
 
 
 # --------------------------------------------------------------------------
@@ -403,23 +405,19 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--min-margin", type=_number("min-margin"), default=0.0,
                    help="preferences: keep pairs whose rewards differ by more than this (default 0)")
     p.add_argument("--overwrite", action="store_true")
-    p.set_defaults(func=run, _parser=p)
+    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    parser: argparse.ArgumentParser = args._parser
     lo, hi = args.min_policy_version, args.max_policy_version
     if args.policy_version is not None:
         if lo is not None or hi is not None:
-            parser.error("--policy-version can't be combined with --min/--max-policy-version")
+            raise ExportError("--policy-version can't be combined with --min/--max-policy-version")
         lo = hi = args.policy_version
-    try:
-        flt = ExportFilter(min_reward=args.min_reward, max_reward=args.max_reward, status=args.status,
-                           mode=args.mode, min_policy_version=lo, max_policy_version=hi,
-                           task_ids=tuple(args.task) if args.task else None)
-        res = export_dataset(args.store, args.out, kind=args.kind, format=args.format, filter=flt,
-                             max_len=args.max_len, min_margin=args.min_margin, overwrite=args.overwrite)
-    except ExportError as exc:
-        parser.error(str(exc))
+    flt = ExportFilter(min_reward=args.min_reward, max_reward=args.max_reward, status=args.status,
+                       mode=args.mode, min_policy_version=lo, max_policy_version=hi,
+                       task_ids=tuple(args.task) if args.task else None)
+    res = export_dataset(args.store, args.out, kind=args.kind, format=args.format, filter=flt,
+                         max_len=args.max_len, min_margin=args.min_margin, overwrite=args.overwrite)
     print(f"wrote {res.records} {res.kind} records from {res.rollouts} rollouts to {res.path} ({res.format})")
     return 0

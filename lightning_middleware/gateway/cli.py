@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Any
 
+from lightning_middleware.errors import UsageError
 from lightning_middleware.gateway.auth import TOKEN_ENV
 from lightning_middleware.gateway.errors import GatewayConfigError
 from lightning_middleware.gateway.responses import bind_socket
@@ -82,10 +83,12 @@ def run_cli(args: argparse.Namespace) -> int:
                      policy_version=args.policy_version, record_unattached=not args.no_record_unattached,
                      translate=not args.no_translate, policies=_policies(args.policy),
                      default_policy=args.default_policy, rewards=args.rewards)
-    except (GatewayConfigError, ValueError) as exc:
-        log.error("%s", exc)
-        return 2
-    sock = bind_socket(args.host, args.port)
+    except (GatewayConfigError, ValueError) as exc:  # one line, as every command's bad input
+        raise UsageError(str(exc)) from None
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        raise UsageError(f"can't listen on {args.host}:{args.port} ({exc.strerror or exc})") from None
     gw.port = sock.getsockname()[1]
     log.info("gateway on %s -> %s, store %s%s", gw.base_url, ", ".join(u.url for u in gw.upstreams),
              gw.store.safe_url, " (token required)" if token else "")

@@ -58,11 +58,20 @@ def tool_agent(task: dict[str, Any]) -> float:
             print("\n".join(f"agent log line {i}" for i in range(30)), flush=True)
             os._exit(int(task["exit_code"]))
         if not reply.tool_calls:
-            return float(task.get("reward", 1.0))
+            return _reward(task)
         for call in reply.tool_calls:
             args = json.loads(call.function.arguments)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": f"fact {args}"})
     return 0.0
+
+
+def _reward(task: dict[str, Any]) -> float:
+    """The task's `reward` (default 1), or, where it has `reward_by_version`, the one listed for the
+    policy version serving the rollout: an evaluation whose score changes as training goes on."""
+    by_version = task.get("reward_by_version")
+    if by_version is not None:
+        return float(by_version[str(current_rollout().policy_version)])
+    return float(task.get("reward", 1.0))
 
 
 async def async_tool_agent(task: dict[str, Any]) -> float:

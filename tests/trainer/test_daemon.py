@@ -129,6 +129,25 @@ def test_staleness_async_and_sync(llm_server, store, model_dir, tmp_path) -> Non
     assert sync.step_once() is None and sync.skipped_total["stale"] == 8
 
 
+def test_stale_keep_trains_the_rollouts_drop_would_skip(llm_server, store, model_dir, tmp_path) -> None:
+    """`stale="keep"` (async): a group 5 versions behind with max_staleness 2 is trained, its lag in
+    the step's metrics, where "drop" (the test above) consumes it as skipped."""
+    run_rollouts(llm_server, store, {"old": [1, 0, 1, 0]}, policy_version=0)
+    run_rollouts(llm_server, store, {"new": [0, 1, 0, 1]}, policy_version=5)
+    daemon = make_daemon(store, model_dir, tmp_path, mode="async", max_staleness=2, stale="keep")
+    daemon.engine.policy_version = 5
+    result = daemon.step_once()
+    assert result is not None and result.metrics.get("skipped_stale", 0) == 0
+    assert result.metrics["n_rollouts"] == 8 and result.metrics["staleness_max"] == 5
+    assert result.metrics["staleness_mean"] == pytest.approx(2.5)
+    assert {r.task_id for r in store.query_rollouts(consumed=True) if r.consumed_step == 1} == {"old", "new"}
+    # sync mode promises on-policy batches: "keep" does not apply there
+    run_rollouts(llm_server, store, {"s1": [1, 0, 1, 0], "s2": [1, 0, 0, 1]}, policy_version=5)
+    sync = make_daemon(store, model_dir, tmp_path, mode="sync", trainer_id="sync", stale="keep")
+    sync.engine.policy_version = 6
+    assert sync.step_once() is None and sync.skipped_total["stale"] == 8
+
+
 @pytest.mark.slow
 @pytest.mark.postgres
 def test_two_daemons_never_take_the_same_rollout(llm_server, pg_url, model_dir, tmp_path) -> None:
@@ -263,27 +282,31 @@ def test_evaluation_every_n_steps_keeps_the_best_and_stops_early(llm_server, sto
 
     url = store.url.render_as_string(hide_password=False)
     tasks = tmp_path / "val.jsonl"
+    # the held-out success changes with the policy version serving it: 1, 2, 1, 1 of 3 tasks after
+    # steps 2, 4, 6, 8, so the best is step 4's, not the first
+    solved = {2: 1, 4: 2, 6: 1, 8: 1}
     tasks.write_text("".join(json.dumps({"task_id": f"val-{i}", "question": f"held out {i}",
+                                         "reward_by_version": {str(v): float(i < n) for v, n in solved.items()},
                                          "base_url": llm_server.base_url, "store": url}) + "\n" for i in range(3)))
-    run_rollouts(llm_server, store, {f"t{i}": [1, 0, 1, 0] for i in range(8)})  # work for 8 steps
+    run_rollouts(llm_server, store, {f"t{i}": [1, 0, 1, 0] for i in range(10)})  # work for 10 steps
     ckpts = tmp_path / "ckpt-trainer-0"
     daemon = make_daemon(store, model_dir, tmp_path, group=GroupPolicy(group_size=4, groups_per_step=1),
                          keep_checkpoints=1, eval=EvalPolicy(agent="tests.controller.controller_agents:tool_agent",
                                                             tasks=str(tasks), every=2, patience=2, concurrency=3))
     results = daemon.run(idle_timeout_s=2.0)
     daemon.close()
-    # evaluations after steps 2, 4, 6: the first is the best (the agent's reward never changes), then two
-    # without improvement: early stop after step 6, though two more groups wait
-    assert [r.step for r in results] == [1, 2, 3, 4, 5, 6]
+    # evaluations after steps 2, 4, 6, 8: the best is step 4's, then two without improvement: early stop
+    # after step 8, though two more groups wait
+    assert [r.step for r in results] == [1, 2, 3, 4, 5, 6, 7, 8]
     evals = store.eval_results("val")
-    assert [e.step for e in evals] == [2, 4, 6] and all(e.metrics["rollouts"] == 3 for e in evals)
-    assert [e.policy_version for e in evals] == [2, 4, 6]  # tagged with the version that served them
+    assert [e.step for e in evals] == [2, 4, 6, 8] and all(e.metrics["rollouts"] == 3 for e in evals)
+    assert [e.policy_version for e in evals] == [2, 4, 6, 8]  # tagged with the version that served them
     best = json.loads((ckpts / "best.json").read_text())
-    assert best["step"] == 2 and best["value"] == 1.0
-    assert sorted(p.name for p in ckpts.glob("v*")) == ["v000002", "v000006"]  # the best survives keep=1
+    assert best["step"] == 4 and best["value"] == pytest.approx(2 / 3)
+    assert sorted(p.name for p in ckpts.glob("v*")) == ["v000004", "v000008"]  # the best survives keep=1
     [stop] = store.events(kind="early_stop")
-    assert stop.step == 6 and "v000002" in stop.message
-    assert {r.mode for r in store.query_rollouts(mode="val")} == {"val"} and len(store.query_rollouts(mode="val")) == 9
+    assert stop.step == 8 and "v000004" in stop.message
+    assert {r.mode for r in store.query_rollouts(mode="val")} == {"val"} and len(store.query_rollouts(mode="val")) == 12
 
 
 def test_health_checks_warn_with_the_remedy_and_record_events(llm_server, store, model_dir, tmp_path, caplog) -> None:

@@ -134,6 +134,38 @@ def test_micro_batching_does_not_change_the_step(model_dir):
         torch.testing.assert_close(g1[k], g2[k], rtol=1e-4, atol=1e-6 * scale, msg=k)
 
 
+def test_gradient_checkpointing_takes_the_same_step(model_dir):
+    """Recomputing activations in the backward pass changes memory, not the step: the same loss,
+    metrics and gradient (an SGD step of lr 1, as above) with it on and off. Checked to be on:
+    the model reports it, and its backward runs a layer's forward once more."""
+    rows = make_rows(PROMPTS, advantages={"good": 1.0, "bad": -2.0})
+    results = []
+    for checkpointing in (True, False):
+        eng = TorchEngine(model_dir, TorchEngineConfig(precision="fp32", lr=1e-3, grad_clip=None,
+                                                       gradient_checkpointing=checkpointing))
+        assert eng.model.is_gradient_checkpointing == checkpointing
+        eng.optimizer = torch.optim.SGD(eng.master, lr=1.0)
+        # counted in the MLP's forward itself: module hooks do not run when checkpointing recomputes
+        mlp = eng.model.model.layers[0].mlp
+        layer_calls: list[int] = []
+        mlp.forward = lambda x, calls=layer_calls, fwd=mlp.forward: (calls.append(1), fwd(x))[1]
+        rows_b = [dataclasses.replace(r, behaviour_logprobs=tuple(x - 0.3 * m for x, m in
+                                                                   zip(r.behaviour_logprobs, r.loss_mask)))
+                  for r in with_behaviour(eng, rows)]
+        layer_calls.clear()
+        before = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
+        m = eng.step(rows_b)
+        results.append((m, len(layer_calls), {k: before[k] - v for k, v in eng.model.state_dict().items()}))
+    (m_on, calls_on, g_on), (m_off, calls_off, g_off) = results
+    assert calls_on == calls_off + 1 and calls_off > 0  # the recomputation happened
+    for key in ("loss", "grad_norm", "clip_frac", "approx_kl", "entropy", "ratio_max"):
+        assert m_on[key] == pytest.approx(m_off[key], rel=1e-5, abs=1e-6), key
+    scale = max(float(g.abs().max()) for g in g_off.values())
+    assert scale > 1e-4
+    for k in g_on:
+        torch.testing.assert_close(g_on[k], g_off[k], rtol=1e-4, atol=1e-6 * scale, msg=k)
+
+
 def test_frozen_embeddings_and_options(model_dir):
     cfg = TorchEngineConfig(lr=1e-2, freeze_embeddings=True, precision="bf16-autocast", gradient_checkpointing=True,
                             loss=LossConfig(kl_coef=0.1, entropy_coef=0.01, dual_clip_c=3.0))

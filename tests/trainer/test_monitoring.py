@@ -55,3 +55,43 @@ def test_tensorboard_and_wandb_offline(tmp_path: Path, monkeypatch: pytest.Monke
     acc.Reload()
     assert [e.value for e in acc.Scalars("loss")] == pytest.approx([1.0, 0.5, 1 / 3])
     assert "name" not in acc.Tags()["scalars"] and "flag" not in acc.Tags()["scalars"]
+
+
+def _no_wandb_login(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+
+
+def test_wandb_online_without_an_api_key_falls_back_to_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("wandb")
+    _no_wandb_login(monkeypatch, tmp_path)
+    mon = Monitor(wandb_project="lightning-test", wandb_mode="online", run_name="t", wandb_dir=str(tmp_path))
+    mon.log(1, {"loss": 1.0})
+    mon.close()
+    assert any("no API key" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+    [run] = (tmp_path / "wandb").glob("offline-run-*")
+    assert list(run.glob("*.wandb"))
+
+
+def test_wandb_online_with_no_reachable_server_falls_back_to_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A key, but the W&B host does not answer (a closed loopback port stands in for no network)."""
+    pytest.importorskip("wandb")
+    import socket
+
+    _no_wandb_login(monkeypatch, tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the block ends: connections are refused
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    mon = Monitor(wandb_project="lightning-test", wandb_mode="online", run_name="t", wandb_dir=str(tmp_path),
+                  wandb_init_timeout_s=10)
+    mon.log(1, {"loss": 1.0})
+    mon.close()
+    assert any("did not start" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+    assert list((tmp_path / "wandb").glob("offline-run-*"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,20 @@ def test_file_then_flags(tmp_path: Path) -> None:
     assert TrainerSettings.load(None, {}).run.engine == "torch"
 
 
+def test_eval_and_stale_flags_reach_the_daemon_config(tmp_path: Path) -> None:
+    s = settings_from(_parse("--eval-every", "3", "--eval-agent", "pkg.mod:agent", "--eval-tasks", "val.jsonl",
+                             "--early-stop-patience", "2", "--stale", "keep", "--max-staleness", "1"))
+    cfg = s.trainer_config()
+    assert cfg.eval is not None and (cfg.eval.every, cfg.eval.agent, cfg.eval.tasks, cfg.eval.patience) == (
+        3, "pkg.mod:agent", "val.jsonl", 2)
+    assert (cfg.stale, cfg.max_staleness) == ("keep", 1)
+    assert settings_from(_parse()).trainer_config().eval is None and settings_from(_parse()).run.stale == "drop"
+    with pytest.raises(SettingsError, match="eval.every needs eval.agent and eval.tasks"):
+        settings_from(_parse("--eval-every", "3"))
+    with pytest.raises(SettingsError, match="run.stale: Input should be 'drop' or 'keep'"):
+        settings_from(_parse("--stale", "maybe"))
+
+
 def test_print_config_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "trainer.toml"
     path.write_text(CONFIG)
@@ -66,6 +81,24 @@ def test_print_config_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[
     again = tmp_path / "resolved.toml"
     again.write_text(printed)
     assert TrainerSettings.load(again) == TrainerSettings.load(path, {"algorithm.name": "gspo"})
+
+
+def test_print_config_lists_every_option_and_a_filled_in_one_loads(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Options whose default is None (`tis_threshold`, `total_steps`, `patience`, ...) were left out."""
+    assert run_trainer(_parse("--print-config")) == 0
+    printed = capsys.readouterr().out
+    s = TrainerSettings.load(None)
+    for section, values in s.model_dump().items():
+        assert f"[{section}]" in printed
+        for key in values:
+            assert re.search(rf"^(# )?{key} = ", printed, re.M), f"{section}.{key} missing from --print-config"
+    assert "# tis_threshold = <float>  (not set)" in printed and "# patience = <int>  (not set)" in printed
+    saved = tmp_path / "saved.toml"
+    saved.write_text(printed)
+    assert TrainerSettings.load(saved) == s  # as it is
+    saved.write_text(printed.replace("# tis_threshold = <float>  (not set)", "tis_threshold = 2.5"))
+    assert TrainerSettings.load(saved).loss.tis_threshold == 2.5  # and uncommented, filled in
 
 
 @pytest.mark.parametrize(("text", "message"), [

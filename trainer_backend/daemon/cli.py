@@ -35,6 +35,8 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--trainer-id": ("run.trainer_id", str, "this lineage's name; one live daemon per id"),
     "--max-steps": ("run.max_steps", int, "stop after this many steps"),
     "--max-staleness": ("run.max_staleness", int, "async: policy versions a rollout may lag"),
+    "--stale": ("run.stale", str, "async: drop (default) or keep (train, the PPO ratio corrects) rollouts "
+                                  "past --max-staleness"),
     "--max-len": ("run.max_len", int, "truncate training rows to this many tokens"),
     "--tensorboard": ("monitor.tensorboard", str, "write step metrics to this TensorBoard log dir"),
     "--wandb-project": ("monitor.wandb_project", str, "log step metrics to this Weights & Biases project"),

@@ -100,11 +100,13 @@ def _number(metrics: dict[str, Any], key: str) -> float | None:
 
 class Monitor:
     """Step metrics to TensorBoard (a log dir) and/or Weights & Biases (a project; `mode="offline"`
-    writes the run under ./wandb for a later `wandb sync`)."""
+    writes the run under ./wandb for a later `wandb sync`). An online W&B run that cannot start
+    (no API key, no network) falls back to offline with a warning: the training run goes on."""
 
     def __init__(self, *, tensorboard: str | None = None, wandb_project: str | None = None,
                  wandb_mode: Literal["online", "offline", "disabled"] = "online", run_name: str | None = None,
-                 config: dict[str, Any] | None = None, wandb_dir: str | None = None) -> None:
+                 config: dict[str, Any] | None = None, wandb_dir: str | None = None,
+                 wandb_init_timeout_s: float = 60.0) -> None:
         self._tb: Any = None
         self._wandb: Any = None
         if tensorboard:
@@ -112,10 +114,8 @@ class Monitor:
 
             self._tb = SummaryWriter(tensorboard)
         if wandb_project:
-            import wandb
-
-            self._wandb = wandb.init(project=wandb_project, mode=wandb_mode, name=run_name, config=config or {},
-                                     dir=wandb_dir, reinit="finish_previous")
+            self._wandb = _start_wandb(wandb_project, wandb_mode, init_timeout_s=wandb_init_timeout_s,
+                                       name=run_name, config=config or {}, dir=wandb_dir)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -131,3 +131,36 @@ class Monitor:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _wandb_api_key_known() -> bool:
+    """WANDB_API_KEY, or a `wandb login` entry in ~/.netrc ($NETRC) for the W&B host."""
+    import netrc
+    import os
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def _start_wandb(project: str, mode: str, *, init_timeout_s: float, **init: Any) -> Any:
+    import wandb
+
+    if mode == "online" and not _wandb_api_key_known():
+        log.warning("W&B: no API key (set WANDB_API_KEY or run `wandb login`): logging offline instead; "
+                    "`wandb sync` the run under %s/wandb later", init.get("dir") or ".")
+        mode = "offline"
+    try:
+        return wandb.init(project=project, mode=mode, reinit="finish_previous",
+                          settings=wandb.Settings(init_timeout=init_timeout_s), **init)
+    except Exception as exc:  # noqa: BLE001 - wandb raises its own errors and the network's
+        if mode != "online":
+            raise
+        log.warning("W&B: the online run did not start (%s: %s): logging offline instead; `wandb sync` it later",
+                    type(exc).__name__, exc)
+        return wandb.init(project=project, mode="offline", reinit="finish_previous", **init)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -241,14 +241,16 @@ class TrainerSettings(_Section):
             raise SettingsError(_describe(exc, path)) from None
 
     def to_toml(self) -> str:
-        """The resolved configuration as TOML, loadable again. TOML has no null: a None whose
-        default is None (not set) is left out; one that turns a default off is written 0."""
+        """The resolved configuration as TOML, loadable again, every option listed. TOML has no
+        null: an option not set (None, its default) is a commented line naming its type, to
+        uncomment and fill in; a None that turns a default off is written 0."""
         lines: list[str] = []
         for section, values in self.model_dump().items():
             lines.append(f"[{section}]")
             fields = type(getattr(self, section)).model_fields
             for key, value in values.items():
                 if value is None and fields[key].default is None:
+                    lines.append(f"# {key} = <{_type_name(fields[key].annotation)}>  (not set)")
                     continue
                 lines.append(f"{key} = {_toml_value(0 if value is None else value)}")
             lines.append("")
@@ -319,6 +321,16 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, dict):
         return "{ " + ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items()) + " }"
     return json.dumps(value)
+
+
+def _type_name(annotation: Any) -> str:
+    """`int | None` -> "int"; `Literal["a", "b"] | None` -> "a|b"."""
+    args = [a for a in get_args(annotation) if a is not type(None)] or [annotation]
+    names = []
+    for a in args:
+        literal = get_args(a) if get_origin(a) is Literal else ()
+        names.append("|".join(map(str, literal)) if literal else getattr(a, "__name__", str(a)))
+    return " or ".join(names)
 
 
 def _describe(exc: ValidationError, path: str | Path | None) -> str:

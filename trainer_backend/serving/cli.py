@@ -8,9 +8,11 @@ import shlex
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from trainer_backend.serving.env import ensure_vllm_env
+from lightning_middleware.errors import UsageError
+from trainer_backend.serving.env import VLLMServerError, ensure_vllm_env
 from trainer_backend.serving.server import VLLMServer
 
 
@@ -38,6 +40,11 @@ def add_cli(subparsers: Any) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    model = Path(args.model_dir).expanduser()
+    if not model.is_dir():
+        raise UsageError(f"no model folder at {args.model_dir}")
+    if not (model / "config.json").is_file():
+        raise UsageError(f"{args.model_dir} has no config.json: not a Hugging Face model folder")
     extra = shlex.split(args.vllm_args)
     server = VLLMServer(
         args.model_dir, port=args.port, host=args.host, max_model_len=args.max_model_len,
@@ -48,14 +55,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     ensure_vllm_env(device=server.device)
     # `kill PID` must stop the server too: it runs in its own process group.
     signal.signal(signal.SIGTERM, _raise_system_exit)
-    with server:
+    try:
+        server.start()
+    except VLLMServerError as exc:  # the log holds the details; the command says where it is
+        reason = str(exc).splitlines()[0].split("; log tail")[0]
+        raise UsageError(f"vLLM did not start: {reason} (log {server.log_path})") from None
+    try:
         print(f"vLLM serving {args.model_dir} at {server.base_url} (log {server.log_path})")
         print("Ctrl-C to stop.")
-        try:
-            while server.is_running():
-                time.sleep(1.0)
-        except KeyboardInterrupt:
-            pass
+        while server.is_running():
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
     return 0
 
 
