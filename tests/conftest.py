@@ -29,8 +29,9 @@ from lightning_middleware.testing import LLMTestServer, PostgresTestServer
 from lightning_middleware.testing.secret_scan import Finding, scan_database, scan_tree
 
 # tests.fixtures_vllm: one real vLLM CPU server per session, for the tests that ask;
-# tests.leaks: the run fails if a test leaves a thread, a child process or a server running
-pytest_plugins = ["tests.fixtures_vllm", "tests.leaks"]
+# tests.leaks: the run fails if a test leaves a thread, a child process or a server running;
+# tests.strict: with LIGHTNING_TEST_REQUIRE_ALL=1 (scripts/test.sh) a skip for a missing module fails
+pytest_plugins = ["tests.fixtures_vllm", "tests.leaks", "tests.strict"]
 
 # A key or token literal in a test's source (`api_key="..."`, `token = "..."`, `"Bearer ..."`);
 # placeholders (shorter than 6 characters, or one lower-case word like "unused") are left out.
@@ -85,6 +86,30 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     helpers = sys.modules.get("tests.trainer.test_daemon")
     while helpers is not None and helpers.OPEN_DAEMONS:
         helpers.OPEN_DAEMONS.pop().close()
+
+
+# With pytest-xdist (scripts/test.sh runs `-n 2 --dist loadgroup`) each worker is a session of its
+# own. The tests that share an expensive session server stay on one worker, so that it starts once:
+# the tiny model's vLLM server; and Ray's local runtime, which two workers would start on one port.
+_WORKER_GROUPS = (("vllm", lambda item: "vllm_server" in item.fixturenames),
+                  ("ray", lambda item: item.nodeid.startswith("tests/controller/test_controller_ray")))
+
+
+# The longest tests (docs/benchmarks.md, "The test suite's time"), longest first, run first: a worker
+# that took one of them last would leave the other idle for minutes at the end.
+_LONGEST = ("tests/demo/test_smol_demo.py::test_short_smol_demo_learns",
+            "tests/demo/test_team_demo.py::test_short_team_demo_trains_each_role_on_its_own_adapter",
+            "tests/demo/test_demo.py::test_short_demo_learns")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for group, wants in _WORKER_GROUPS:
+            if wants(item):
+                item.add_marker(pytest.mark.xdist_group(group))
+                break
+    rank = {nodeid: i for i, nodeid in enumerate(_LONGEST)}
+    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")

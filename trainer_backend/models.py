@@ -20,6 +20,8 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from trainer_backend.caching import build_lock
+
 log = logging.getLogger(__name__)
 
 ENDOFTEXT = "<|endoftext|>"
@@ -240,11 +242,20 @@ def prepare_smollm2(
     ``tools_template=True`` installs this module's ChatML + hermes-tools template
     instead (vLLM's hermes parser works on the text, so no special tokens needed).
     """
-    from trainer_backend.serving.env import lightning_home, make_server_pythonpath
+    from trainer_backend.serving.env import lightning_home
 
     out = (Path(out_dir) if out_dir else lightning_home() / "models" / "smollm2-135m-instruct").resolve()
     if (out / ".converted").exists():
         return out
+    with build_lock(out):  # one conversion at a time; a second caller waits and finds it done
+        if not (out / ".converted").exists():
+            _prepare_smollm2(out, gguf_path, python, tools_template)
+    return out
+
+
+def _prepare_smollm2(out: Path, gguf_path: str | os.PathLike[str] | None, python: str | os.PathLike[str] | None,
+                     tools_template: bool) -> None:
+    from trainer_backend.serving.env import make_server_pythonpath
     if python is None and not _can_convert_here(gguf_path):
         from trainer_backend.serving.env import vllm_python
 
@@ -262,8 +273,8 @@ def prepare_smollm2(
             env = dict(os.environ, PYTHONPATH=str(pypath), HF_HUB_OFFLINE="1")
             env.pop("VIRTUAL_ENV", None)
             subprocess.run(cmd, check=True, env=env, cwd=tmp)  # cwd: see serving.VLLMServer.start
-        return out
-    return _convert_smollm2(out, Path(gguf_path) if gguf_path else find_smollm2_gguf(), tools_template)
+        return
+    _convert_smollm2(out, Path(gguf_path) if gguf_path else find_smollm2_gguf(), tools_template)
 
 
 def _can_convert_here(gguf_path: str | os.PathLike[str] | None) -> bool:

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer_backend.caching import build_lock
 from trainer_backend.demo.arith import SMOLLM2_TOOLS_TEMPLATE, SYSTEM, TOOL_NAME, calculate, make_problems
 
 log = logging.getLogger(__name__)
@@ -82,9 +83,17 @@ def sft_example(tok: Any, messages: list[dict[str, Any]]) -> tuple[list[int], li
 
 
 def warm_start(base: Path, out: Path, cfg: SmolWarmStart) -> Path:
-    """LoRA SFT on demonstrations, merged into a plain model folder (cached by config)."""
+    """LoRA SFT on demonstrations, merged into a plain model folder (cached by config; one process
+    builds it, another asking at once waits)."""
     if (out / ".done").exists():
         return out
+    with build_lock(out):
+        if not (out / ".done").exists():
+            _build(base, out, cfg)
+    return out
+
+
+def _build(base: Path, out: Path, cfg: SmolWarmStart) -> None:
     import torch
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -120,7 +129,6 @@ def warm_start(base: Path, out: Path, cfg: SmolWarmStart) -> Path:
     (tmp / ".done").write_text("ok")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    return out
 
 
 def _batch_loss(model: Any, batch: list[tuple[list[int], list[int]]], pad: int) -> Any:

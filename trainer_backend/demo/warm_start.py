@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer_backend.caching import build_lock
 from trainer_backend.demo.task import (
     HIGH,
     LOW,
@@ -148,15 +149,22 @@ def sft_example(tok: Any, secret: int, guesses: Sequence[int] | None = None,
 def warm_start(out_dir: str | os.PathLike[str], cfg: WarmStartConfig = WarmStartConfig(),
                progress: bool = True, save_at: Sequence[int] = (), threads: int | None = None) -> Path:
     """Build the model and run the SFT warm start; cached (a folder with `.done` is reused).
-    `cfg.precision` should be resolved already (`cfg.resolved()`): "auto" is resolved here too."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    `cfg.precision` should be resolved already (`cfg.resolved()`): "auto" is resolved here too.
+    Two processes asking at once: one builds, the other waits for it (trainer_backend.caching)."""
     cfg = cfg.resolved()
-
     out = Path(out_dir)
     if (out / ".done").exists():
         return out
+    with build_lock(out):
+        if not (out / ".done").exists():  # another process may have built it while we waited
+            _build(out, cfg, progress, save_at, threads)
+    return out
+
+
+def _build(out: Path, cfg: WarmStartConfig, progress: bool, save_at: Sequence[int], threads: int | None) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.perf_counter()
@@ -210,7 +218,6 @@ def warm_start(out_dir: str | os.PathLike[str], cfg: WarmStartConfig = WarmStart
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     log.info("warm start written to %s in %.0f s", out, time.perf_counter() - t0)
-    return out
 
 
 def idle_cores(sample_s: float = 0.3) -> int:
