@@ -88,18 +88,19 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         helpers.OPEN_DAEMONS.pop().close()
 
 
+# The three demo runs, the longest tests by far (docs/benchmarks.md, "The test suite's time"), each
+# keeping both cores busy with its vLLM server and trainer.
+_DEMOS = ("tests/demo/test_smol_demo.py::test_short_smol_demo_learns",
+          "tests/demo/test_team_demo.py::test_short_team_demo_trains_each_role_on_its_own_adapter",
+          "tests/demo/test_demo.py::test_short_demo_learns")
 # With pytest-xdist (scripts/test.sh runs `-n 2 --dist loadgroup`) each worker is a session of its
-# own. The tests that share an expensive session server stay on one worker, so that it starts once:
-# the tiny model's vLLM server; and Ray's local runtime, which two workers would start on one port.
-_WORKER_GROUPS = (("vllm", lambda item: "vllm_server" in item.fixturenames),
+# own. Kept on one worker: the tests that share the tiny model's vLLM server (it starts once), and
+# those of Ray's local runtime (two workers would start it on one port); and the demos, one after
+# another and first, beside the rest of the suite, which mostly waits on servers and subprocesses:
+# two demos at once only share the cores.
+_WORKER_GROUPS = (("demo", lambda item: item.nodeid in _DEMOS),
+                  ("vllm", lambda item: "vllm_server" in item.fixturenames),
                   ("ray", lambda item: item.nodeid.startswith("tests/controller/test_controller_ray")))
-
-
-# The longest tests (docs/benchmarks.md, "The test suite's time"), longest first, run first: a worker
-# that took one of them last would leave the other idle for minutes at the end.
-_LONGEST = ("tests/demo/test_smol_demo.py::test_short_smol_demo_learns",
-            "tests/demo/test_team_demo.py::test_short_team_demo_trains_each_role_on_its_own_adapter",
-            "tests/demo/test_demo.py::test_short_demo_learns")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -108,7 +109,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             if wants(item):
                 item.add_marker(pytest.mark.xdist_group(group))
                 break
-    rank = {nodeid: i for i, nodeid in enumerate(_LONGEST)}
+    rank = {nodeid: i for i, nodeid in enumerate(_DEMOS)}
     items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))  # stable: the rest keep their order
 
 

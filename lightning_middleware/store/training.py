@@ -79,9 +79,13 @@ class TrainerOps:
                             f"trainer id {trainer_id!r} is in use by a running daemon (run {row.run_id}, "
                             f"heartbeat {now - row.heartbeat_at:.0f}s ago): give this one another --trainer-id, "
                             f"or stop the other (its lease expires {lease_s:g}s after its last heartbeat)")
-                    conn.execute(sa.update(t).where(t.c.trainer_id == trainer_id).values(
-                        run_id=run_id, started_at=now, heartbeat_at=now))
-                    return run_id
+                    # Compare-and-set on what was read: SQLite ignores FOR UPDATE, so another run may
+                    # have taken the lease since; then this update matches nothing and we read again.
+                    taken = conn.execute(sa.update(t).where(
+                        t.c.trainer_id == trainer_id, t.c.run_id == row.run_id, t.c.heartbeat_at == row.heartbeat_at
+                    ).values(run_id=run_id, started_at=now, heartbeat_at=now))
+                    if taken.rowcount == 1:
+                        return run_id
             except sa_exc.IntegrityError:
                 continue
         raise TrainerIdInUse(f"could not take the lease of trainer id {trainer_id!r}")

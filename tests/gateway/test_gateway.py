@@ -467,7 +467,7 @@ def test_pause_during_a_stream_drains_it_and_versions_calls(gw: Gateway, store: 
     def stream() -> None:
         s = client.chat.completions.with_raw_response.create(
             model="m", messages=[{"role": "user", "content": "a long answer to stream while pausing"}], stream=True,
-            extra_headers={"x-test-delay": "0.03"})
+            extra_headers={"x-test-delay": "0.25"})  # ~2 s: the state check below lands inside it under load
         got["stream_version"] = s.headers["x-lightning-policy-version"]
         parts = []
         for chunk in s.parse():

@@ -149,23 +149,35 @@ def test_stale_keep_trains_the_rollouts_drop_would_skip(llm_server, store, model
 
 
 @pytest.mark.slow
-@pytest.mark.postgres
-def test_two_daemons_never_take_the_same_rollout(llm_server, pg_url, model_dir, tmp_path) -> None:
-    store = TraceStore(pg_url)
+def test_two_daemons_never_take_the_same_rollout(llm_server, store_url, model_dir, tmp_path) -> None:
+    """On PostgreSQL and on SQLite, each daemon with its own connection: a claim is one conditional
+    UPDATE (TraceStore.claim_rollouts), which SQLite's single writer serializes as PostgreSQL's row
+    locks do, so no `SELECT ... FOR UPDATE` (a no-op on SQLite) is needed for it."""
+    store = TraceStore(store_url)
     run_rollouts(llm_server, store, {f"t{i}": [1, 0, 0, 1] for i in range(8)})
-    daemons = [make_daemon(TraceStore(pg_url), model_dir, tmp_path, trainer_id=f"d{i}",
+    daemons = [make_daemon(TraceStore(store_url), model_dir, tmp_path, trainer_id=f"d{i}",
                            group=GroupPolicy(group_size=4, groups_per_step=1)) for i in range(2)]
-    threads = [threading.Thread(target=d.run, kwargs={"idle_timeout_s": 1.0}) for d in daemons]
+    errors: list[BaseException] = []
+
+    def run(daemon: TrainerDaemon) -> None:
+        try:
+            daemon.run(idle_timeout_s=1.0)
+        except BaseException as exc:  # a "database is locked" would end up here
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(d,)) for d in daemons]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     steps = store.train_steps()
     trained = [rid for s in steps for rid in s.rollout_ids]
+    assert not errors, errors
     assert len(trained) == len(set(trained)) == 32  # every rollout trained exactly once
     assert len(steps) == 8  # one group per step
     per_daemon = {d: sum(1 for s in steps if s.trainer_id == d) for d in ("d0", "d1")}
     assert min(per_daemon.values()) >= 2, f"the two daemons did not share the work: {per_daemon}"
+    assert not any(t.is_alive() for t in threads) and not errors, errors
 
 
 @pytest.mark.slow
@@ -201,19 +213,19 @@ def test_kill_9_mid_run_trains_nothing_twice_and_loses_nothing(llm_server, model
     assert store.query_rollouts(consumed=False) == []
 
 
-@pytest.mark.postgres
-def test_one_live_daemon_per_trainer_id_and_no_batch_trained_twice(llm_server, pg_url, model_dir, tmp_path) -> None:
+def test_one_live_daemon_per_trainer_id_and_no_batch_trained_twice(llm_server, store_url, model_dir,
+                                                                    tmp_path) -> None:
     """Two daemons under the default trainer id: the second is refused while the first is alive.
     If the id is taken over after the first looked dead (a frozen process, a lost network), the
     first one's step does not commit: its rollouts are trained once, by the new owner."""
     from lightning_middleware.store import LeaseLost, TrainerIdInUse
 
-    store = TraceStore(pg_url)
+    store = TraceStore(store_url)
     run_rollouts(llm_server, store, {"t0": [1, 0, 0, 1], "t1": [0, 1, 1, 0]})
     one_group = GroupPolicy(group_size=4, groups_per_step=1)
-    first = make_daemon(TraceStore(pg_url), model_dir, tmp_path, group=one_group)
+    first = make_daemon(TraceStore(store_url), model_dir, tmp_path, group=one_group)
     with pytest.raises(TrainerIdInUse, match="in use by a running daemon"):
-        make_daemon(TraceStore(pg_url), model_dir, tmp_path / "b", group=one_group)
+        make_daemon(TraceStore(store_url), model_dir, tmp_path / "b", group=one_group)
     batch = first.collect()
     assert batch is not None
     # The first daemon goes silent for longer than its lease; a run elsewhere takes the id over.
@@ -225,11 +237,44 @@ def test_one_live_daemon_per_trainer_id_and_no_batch_trained_twice(llm_server, p
     assert store.train_steps() == [] and store.latest_policy_version() is None  # nothing committed
     store.release_trainer("trainer-0", "elsewhere:1:takeover")
     first.close()
-    second = make_daemon(TraceStore(pg_url), model_dir, tmp_path / "c", group=one_group)  # released: it starts
+    second = make_daemon(TraceStore(store_url), model_dir, tmp_path / "c", group=one_group)  # released: it starts
     results = second.run(max_steps=2, idle_timeout_s=1.0)
     trained = [rid for s in store.train_steps() for rid in s.rollout_ids]
     assert len(results) == 2 and len(trained) == len(set(trained)) == 8
     second.close()
+
+
+def test_two_runs_taking_over_one_dead_lease_at_once_on_sqlite(tmp_path) -> None:
+    """SQLite ignores SELECT ... FOR UPDATE: a run that read the dead lease could overwrite a takeover
+    that happened after its read, and both would think they own the id. The takeover is a
+    compare-and-set on what was read; here a second run takes the lease between the first run's
+    read and its write (an SQLAlchemy hook before that UPDATE), and the first is then refused."""
+    import sqlalchemy as sa
+
+    from lightning_middleware.store import TrainerIdInUse
+
+    url = f"sqlite:///{tmp_path / 'lease.db'}"
+    a, b = TraceStore(url), TraceStore(url)
+    a.acquire_trainer("t", run_id="elsewhere:1:old")
+    with a.engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE trainer_leases SET heartbeat_at = heartbeat_at - 1000")  # dead
+    raced: list[str] = []
+
+    def b_first(conn, cursor, statement, parameters, context, executemany) -> None:
+        if statement.startswith("UPDATE trainer_leases SET run_id") and not raced:
+            raced.append(b.acquire_trainer("t"))
+
+    sa.event.listen(a.engine, "before_cursor_execute", b_first)
+    try:
+        with pytest.raises(TrainerIdInUse, match="in use by a running daemon"):
+            a.acquire_trainer("t")
+    finally:
+        sa.event.remove(a.engine, "before_cursor_execute", b_first)
+    assert raced  # the race happened
+    with b.engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT run_id FROM trainer_leases").scalar_one() == raced[0]
+    a.close()
+    b.close()
 
 
 def test_a_daemon_dropped_without_close_stops_renewing_its_lease(store, model_dir, tmp_path) -> None:

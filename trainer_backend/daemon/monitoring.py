@@ -148,7 +148,8 @@ def _wandb_api_key_known() -> bool:
         return False
 
 
-def _start_wandb(project: str, mode: str, *, init_timeout_s: float, **init: Any) -> Any:
+def _start_wandb(project: str, mode: Literal["online", "offline", "disabled"], *, init_timeout_s: float,
+                 **init: Any) -> Any:
     import wandb
 
     if mode == "online" and not _wandb_api_key_known():
