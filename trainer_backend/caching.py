@@ -11,7 +11,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,3 +33,14 @@ def build_lock(folder: str | os.PathLike[str]) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def build_once(folder: str | os.PathLike[str], marker: str, build: Callable[[], object]) -> Path:
+    """`folder`, built by `build()` unless it holds `marker` (the file a finished build writes last);
+    checked again under the lock, since another process may have built it while this one waited."""
+    path = Path(folder)
+    if not (path / marker).exists():
+        with build_lock(path):
+            if not (path / marker).exists():
+                build()
+    return path

@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from trainer_backend.caching import build_lock
+from trainer_backend.caching import build_once
 
 log = logging.getLogger(__name__)
 
@@ -245,17 +245,14 @@ def prepare_smollm2(
     from trainer_backend.serving.env import lightning_home
 
     out = (Path(out_dir) if out_dir else lightning_home() / "models" / "smollm2-135m-instruct").resolve()
-    if (out / ".converted").exists():
-        return out
-    with build_lock(out):  # one conversion at a time; a second caller waits and finds it done
-        if not (out / ".converted").exists():
-            _prepare_smollm2(out, gguf_path, python, tools_template)
-    return out
+    # one conversion at a time; a second caller waits and finds it done
+    return build_once(out, ".converted", lambda: _prepare_smollm2(out, gguf_path, python, tools_template))
 
 
 def _prepare_smollm2(out: Path, gguf_path: str | os.PathLike[str] | None, python: str | os.PathLike[str] | None,
                      tools_template: bool) -> None:
     from trainer_backend.serving.env import make_server_pythonpath
+
     if python is None and not _can_convert_here(gguf_path):
         from trainer_backend.serving.env import vllm_python
 

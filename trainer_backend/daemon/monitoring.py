@@ -12,10 +12,13 @@ The checks look at each step's metrics against the run's own history:
 from __future__ import annotations
 
 import logging
+import netrc
+import os
 import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import urlparse
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +138,6 @@ class Monitor:
 
 def _wandb_api_key_known() -> bool:
     """WANDB_API_KEY, or a `wandb login` entry in ~/.netrc ($NETRC) for the W&B host."""
-    import netrc
-    import os
-    from urllib.parse import urlparse
-
     if os.environ.get("WANDB_API_KEY"):
         return True
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"

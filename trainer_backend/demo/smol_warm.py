@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer_backend.caching import build_lock
+from trainer_backend.caching import build_once
 from trainer_backend.demo.arith import SMOLLM2_TOOLS_TEMPLATE, SYSTEM, TOOL_NAME, calculate, make_problems
 
 log = logging.getLogger(__name__)
@@ -85,12 +85,7 @@ def sft_example(tok: Any, messages: list[dict[str, Any]]) -> tuple[list[int], li
 def warm_start(base: Path, out: Path, cfg: SmolWarmStart) -> Path:
     """LoRA SFT on demonstrations, merged into a plain model folder (cached by config; one process
     builds it, another asking at once waits)."""
-    if (out / ".done").exists():
-        return out
-    with build_lock(out):
-        if not (out / ".done").exists():
-            _build(base, out, cfg)
-    return out
+    return build_once(out, ".done", lambda: _build(base, out, cfg))
 
 
 def _build(base: Path, out: Path, cfg: SmolWarmStart) -> None:

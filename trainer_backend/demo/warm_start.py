@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer_backend.caching import build_lock
+from trainer_backend.caching import build_once
 from trainer_backend.demo.task import (
     HIGH,
     LOW,
@@ -153,12 +153,7 @@ def warm_start(out_dir: str | os.PathLike[str], cfg: WarmStartConfig = WarmStart
     Two processes asking at once: one builds, the other waits for it (trainer_backend.caching)."""
     cfg = cfg.resolved()
     out = Path(out_dir)
-    if (out / ".done").exists():
-        return out
-    with build_lock(out):
-        if not (out / ".done").exists():  # another process may have built it while we waited
-            _build(out, cfg, progress, save_at, threads)
-    return out
+    return build_once(out, ".done", lambda: _build(out, cfg, progress, save_at, threads))
 
 
 def _build(out: Path, cfg: WarmStartConfig, progress: bool, save_at: Sequence[int], threads: int | None) -> None:

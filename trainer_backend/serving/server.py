@@ -196,15 +196,13 @@ class VLLMServer:
             while True:
                 code = self._proc.poll()
                 if code is not None:
-                    raise VLLMServerError(
-                        f"vLLM exited with code {code} during startup; log tail "
-                        f"({self.log_path}):\n{self.log_tail()}"
-                    )
+                    reason = f"vLLM exited with code {code} during startup"
+                    raise VLLMServerError(f"{reason}; log tail ({self.log_path}):\n{self.log_tail()}",
+                                          reason=reason)
                 if time.monotonic() - t0 > self.startup_timeout:
-                    raise VLLMServerError(
-                        f"vLLM not healthy after {self.startup_timeout:.0f} s; log tail "
-                        f"({self.log_path}):\n{self.log_tail()}"
-                    )
+                    reason = f"vLLM not healthy after {self.startup_timeout:.0f} s"
+                    raise VLLMServerError(f"{reason}; log tail ({self.log_path}):\n{self.log_tail()}",
+                                          reason=reason)
                 try:
                     if client.get(f"{self.url}/health").status_code == 200:
                         return
