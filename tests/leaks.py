@@ -32,8 +32,9 @@ import pytest
 OUR_THREADS = ("lease-", "lightning-", "k8s-", "demo-", "rollout-")
 FAILING = ("lease-",)
 # Children that live as long as this process by design and end with it: Python's multiprocessing
-# resource tracker, and W&B's service process (it watches our pid).
-EXPECTED_CHILDREN = ("multiprocessing.resource_tracker", "wandb-core")
+# resource tracker, and W&B's service process (it watches our pid) with its system monitor (it
+# watches the service's).
+EXPECTED_CHILDREN = ("multiprocessing.resource_tracker", "wandb-core", "wandb-symon")
 # Threads, children and sockets get this long to end after the last teardown.
 GRACE_S = 5.0
 
