@@ -31,10 +31,10 @@ fi
 # for a missing module fails (tests/strict.py): the set-up above installed every extra.
 export LIGHTNING_TEST_INSTALL_VLLM=1 LIGHTNING_TEST_REQUIRE_ALL=1
 status=0
-# LIGHTNING_TEST_WORKERS=2: two pytest-xdist workers (29.5 min against 46 serially on AVX512-BF16;
-# `--dist loadgroup` keeps tests that share a session server on one worker, tests/conftest.py). Serial
-# by default until the SmolLM2 CI test's evaluation holds under the second worker's load (docs/benchmarks.md).
-workers=${LIGHTNING_TEST_WORKERS:-0}
+# Two pytest-xdist workers (29.5 min against 39 serially on AVX512-BF16, docs/benchmarks.md);
+# `--dist loadgroup` keeps tests that share a session server on one worker (tests/conftest.py).
+# LIGHTNING_TEST_WORKERS=0 runs serially.
+workers=${LIGHTNING_TEST_WORKERS:-2}
 xdist=()
 [ "$workers" != "0" ] && xdist=(-n "$workers" --dist loadgroup)
 .venv/bin/python -m pytest -q -ra --timeout=900 "${xdist[@]}" "$@" || status=$?

@@ -21,8 +21,11 @@ predict every token:
   400, as the real OpenAI API would reject `return_token_ids`; `x-test-hang: S`
   waits S seconds before answering at all (an engine that stalls);
   `x-test-close-after: N` sends the first N SSE events of a stream, then drops
-  the connection without finishing the body (an engine that dies mid-stream).
-  The last two are served by the HTTP server (`llm_server`) only.
+  the connection without finishing the body (an engine that dies mid-stream);
+  `x-test-hold: KEY` sends a stream's first event, then holds the rest until a
+  POST to `/test/release` with `{"key": KEY}` (a call that stays in flight for
+  exactly as long as a test needs, on any machine's speed).
+  The last three are served by the HTTP server (`llm_server`) only.
 
 `reply(path, headers, raw)` is the whole server as one function: the ASGI app
 (`llm_server.build_app`) and the in-process transport (`transport.LLMTestTransport`)
@@ -262,6 +265,7 @@ class ScriptedReply:
     delay_s: float = 0.0
     hang_s: float = 0.0  # before answering (x-test-hang)
     close_after: int | None = None  # events sent before the connection drops (x-test-close-after)
+    hold: str | None = None  # after the first event, wait for /test/release of this key (x-test-hold)
 
     @property
     def stream(self) -> bool:
@@ -390,7 +394,8 @@ def reply(path: str, headers: Mapping[str, str], raw: bytes) -> ScriptedReply:
     events = tuple(f"data: {json.dumps(c)}\n\n".encode() for c in _stream_chunks(body, chat))
     close_after = int(_header_number(headers, "x-test-close-after")) if "x-test-close-after" in headers else None
     return ScriptedReply(200, events=events + (b"data: [DONE]\n\n",), headers=seen,
-                         delay_s=_header_number(headers, "x-test-delay"), hang_s=hang_s, close_after=close_after)
+                         delay_s=_header_number(headers, "x-test-delay"), hang_s=hang_s, close_after=close_after,
+                         hold=headers.get("x-test-hold"))
 
 
 def tokenize_reply(raw: bytes) -> dict[str, Any]:

@@ -30,6 +30,9 @@ def _burn(seconds: float) -> None:
         pass
 
 
+HOLD_LIMIT_S = 60.0  # a held stream that is never released finishes anyway: a failing test must not hang
+
+
 def build_app(latency_s: float = 0.0, cpu_s: float = 0.0) -> Any:
     """The ASGI app. `latency_s`: time every completion takes, as an engine's generation would.
 
@@ -41,6 +44,8 @@ def build_app(latency_s: float = 0.0, cpu_s: float = 0.0) -> Any:
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
+
+    holds: dict[str, asyncio.Event] = {}  # x-test-hold keys, released by POST /test/release
 
     async def completions(request: Request) -> Any:
         answer = reply(request.url.path, request.headers, await request.body())
@@ -63,6 +68,8 @@ def build_app(latency_s: float = 0.0, cpu_s: float = 0.0) -> Any:
                     raise ConnectionAbortedError("x-test-close-after: connection dropped mid-stream")
                 if answer.delay_s:
                     await asyncio.sleep(answer.delay_s)
+                if i == 1 and answer.hold is not None:
+                    await _wait(holds.setdefault(answer.hold, asyncio.Event()))
                 yield event
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=answer.headers)
@@ -72,6 +79,10 @@ def build_app(latency_s: float = 0.0, cpu_s: float = 0.0) -> Any:
 
     async def tokenize_route(request: Request) -> Any:
         return JSONResponse(tokenize_reply(await request.body()))
+
+    async def release(request: Request) -> Any:
+        holds.setdefault(str((await request.json())["key"]), asyncio.Event()).set()
+        return JSONResponse({"released": True})
 
     async def health(_request: Request) -> Any:
         return JSONResponse({"ok": True})
@@ -83,7 +94,15 @@ def build_app(latency_s: float = 0.0, cpu_s: float = 0.0) -> Any:
         Route("/v1/models", models, methods=["GET"]),
         Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        Route("/test/release", release, methods=["POST"]),
     ])
+
+
+async def _wait(event: asyncio.Event) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), HOLD_LIMIT_S)
+    except asyncio.TimeoutError:
+        logging.getLogger(__name__).warning("x-test-hold: never released, the stream goes on")
 
 
 def free_port() -> int:
@@ -145,6 +164,12 @@ class LLMTestServer:
                 time.sleep(0.05)
         self.stop()
         raise TimeoutError("test LLM server did not come up")
+
+    def release(self, key: str) -> None:
+        """Let the streams held with `x-test-hold: key` finish (also those that have not started yet)."""
+        import httpx
+
+        httpx.post(self.url + "/test/release", json={"key": key}, timeout=10).raise_for_status()
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

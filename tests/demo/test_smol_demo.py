@@ -75,7 +75,8 @@ def test_short_smol_demo_learns(tmp_path: Path) -> None:
     print(f"CI SmolLM2 demo on {res['machine']['kind']}: served preference {pref.mean:+.3f} nats "
           f"(z {pref.z:.1f}, {pref.n} rollouts, moved {pref.moved:.3f}); held-out {before['success']:.1%} -> "
           f"{after['success']:.1%}, valid tool calls {before['valid_tool_call']:.1%} -> "
-          f"{after['valid_tool_call']:.1%}; {res['steps']} steps in {res['timings']['rl_s'] / 60:.1f} min of RL")
+          f"{after['valid_tool_call']:.1%}, episodes in error {before['errors']} -> {after['errors']}; "
+          f"{res['steps']} steps in {res['timings']['rl_s'] / 60:.1f} min of RL")
     assert before["n"] == after["n"] == CI_EVAL_TASKS
     # the SFT warm start taught SmolLM2's tool-call format (the untouched model makes none); at 64
     # problems these bounds sit 3.8 and 4.1 standard deviations from the measured 68% and 87%

@@ -458,16 +458,18 @@ def test_sticky_routing_health_and_failover(llm_server: LLMTestServer, sqlite_st
 # Pause and drain for weight swaps
 # --------------------------------------------------------------------------
 
-def test_pause_during_a_stream_drains_it_and_versions_calls(gw: Gateway, store: TraceStore) -> None:
+def test_pause_during_a_stream_drains_it_and_versions_calls(gw: Gateway, store: TraceStore,
+                                                            llm_server: LLMTestServer) -> None:
     rid = _create(gw)["id"]
     client = openai.OpenAI(base_url=gw.rollout_base_url(rid), api_key="x", timeout=30)
     got: dict = {}
     first_chunk = threading.Event()
+    hold = f"pause-{uuid.uuid4().hex}"  # the engine holds the stream after its first chunk until released
 
     def stream() -> None:
         s = client.chat.completions.with_raw_response.create(
             model="m", messages=[{"role": "user", "content": "a long answer to stream while pausing"}], stream=True,
-            extra_headers={"x-test-delay": "0.25"})  # ~2 s: the state check below lands inside it under load
+            extra_headers={"x-test-hold": hold})
         got["stream_version"] = s.headers["x-lightning-policy-version"]
         parts = []
         for chunk in s.parse():
@@ -480,11 +482,23 @@ def test_pause_during_a_stream_drains_it_and_versions_calls(gw: Gateway, store: 
         r = client.chat.completions.with_raw_response.create(model="m", messages=[{"role": "user", "content": "later"}])
         got["later"] = (time.monotonic(), r.headers["x-lightning-policy-version"])
 
+    def pause() -> None:
+        got["paused"] = gw.pause(wait=True, timeout=20)  # returns once the stream has finished
+
     t = threading.Thread(target=stream)
     t.start()
     assert first_chunk.wait(10)
     assert httpx.get(gw.url + "/admin/state").json()["in_flight"] == 1
-    paused = gw.pause(wait=True, timeout=20)  # returns once the stream has finished
+    pausing = threading.Thread(target=pause)
+    pausing.start()
+    deadline = time.monotonic() + 10
+    while not httpx.get(gw.url + "/admin/state").json()["paused"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    state = httpx.get(gw.url + "/admin/state").json()
+    assert state["paused"] and state["in_flight"] == 1 and "paused" not in got  # the pause waits on the stream
+    llm_server.release(hold)
+    pausing.join(20)
+    paused = got["paused"]
     assert paused["drained"] and paused["in_flight"] == 0 and paused["paused"]
     t.join(10)
     assert got["text"] == "echo: a long answer to stream while pausing" and got["stream_version"] == "1"

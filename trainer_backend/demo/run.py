@@ -117,6 +117,8 @@ def run_demo(cfg: DemoConfig, run_class: type[DemoRun] | None = None,
 class DemoRun:
     """One demo run's state; the steps are called in order by `run_demo`."""
 
+    rollout_timeout_s = 120.0  # the controller's per-episode hang guard
+
     def __init__(self, cfg: DemoConfig) -> None:
         from trainer_backend.engines.precision import describe_machine
 
@@ -170,7 +172,7 @@ class DemoRun:
         self.timings["server_start_s"] = time.perf_counter() - t0
         self.controller = RolloutController(
             self._agent(self.server.base_url, store), store=store, backend="asyncio",
-            concurrency=self.cfg.concurrency, timeout_s=120,
+            concurrency=self.cfg.concurrency, timeout_s=self.rollout_timeout_s,
             policy_version=lambda: store.latest_policy_version() or 0,
             policy_version_ttl_s=0.0,  # sync mode must never tag a stale version
             rewards=self.reward_config)  # None: the agent's own reward trains

@@ -36,6 +36,10 @@ POLICY = "policy"  # the served name the agent calls and RL trains (the model, o
 MAX_TURNS = 3  # model calls per episode: a call, the answer, one spare
 SFT_STEPS = 6  # x 4 demonstrations: 67-73% held-out success, 86-91% valid calls (docs/demo.md)
 MAX_CONCURRENCY = 32
+# A hang guard, not a speed estimate: 32 episodes share two cores, so one episode's time grows with
+# whatever else runs there. Measured: 55 generated tokens/s alone, 15 with a second pytest worker
+# beside it, when a 120 s guard cut 32 of 64 baseline episodes (docs/benchmarks.md). 600 s is 5x that.
+ROLLOUT_TIMEOUT_S = 600.0
 # The trainer's activations per micro-batch (~1,100 padded tokens of this model in fp32): a step
 # peaked at 4.8 GB RSS with it, where the engine's 8,192-token micro-batches peaked at 13.1 GB
 # and were OOM-killed beside the vLLM server on a shared 24 GiB machine (docs/demo.md).
@@ -62,8 +66,9 @@ def make_smol_agent(base_url: str, store: TraceStore, model: str = POLICY, max_t
 
     def graph(temperature: float) -> Any:
         if temperature not in graphs:
-            llm = wrap(ChatOpenAI(model=model, base_url=base_url, api_key="-", temperature=temperature,
-                                  max_tokens=max_tokens, timeout=120, max_retries=2), store=store)  # the one line
+            chat = ChatOpenAI(model=model, base_url=base_url, api_key="-", temperature=temperature,
+                              max_tokens=max_tokens, timeout=ROLLOUT_TIMEOUT_S, max_retries=2)
+            llm = wrap(chat, store=store)  # the one line
             graphs[temperature] = create_agent(llm, tools=[calculator_tool()], system_prompt=SYSTEM, name="solver")
         return graphs[temperature]
 
@@ -114,9 +119,10 @@ class SmolDemoRun(DemoRun):
     """The demo's steps on SmolLM2 with the arithmetic task and a LoRA policy."""
 
     _lora_engine: TorchEngine | None = None
+    rollout_timeout_s = ROLLOUT_TIMEOUT_S
 
     def __init__(self, cfg: DemoConfig) -> None:
-        # 135M on a shared CPU: 128 concurrent rollouts queue past the controller's 120 s timeout
+        # 135M on a shared CPU: 128 concurrent rollouts queue for minutes
         cfg = replace(cfg, concurrency=min(cfg.concurrency, MAX_CONCURRENCY))
         super().__init__(cfg)
         self.lora_rank = int(cfg.extra.get("lora_rank", 0))
