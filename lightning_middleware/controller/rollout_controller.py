@@ -24,7 +24,6 @@ Ray and the kubernetes client are imported only when their backend starts.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import os
@@ -39,6 +38,7 @@ from typing import Any, TypeVar
 from lightning_middleware.controller.backends import Backend, PodTemplate, make_backend
 from lightning_middleware.controller.execution import AgentFn, failure, no_running_loop, resolve_agent, worker_name
 from lightning_middleware.controller.jobs import ControllerStats, RetryPolicy, RolloutJob, RolloutOutcome, RolloutResult
+from lightning_middleware.controller.settling import cancel_and_wait, finish_despite_cancellation, gather_settled
 from lightning_middleware.controller.tasks import TaskSource, load_tasks
 from lightning_middleware.records import Mode, Rollout, RolloutStatus
 from lightning_middleware.rewards import RewardConfig, Scorer, load_config
@@ -247,7 +247,7 @@ class RolloutController:
             except asyncio.CancelledError:
                 outcome = RolloutOutcome(status=RolloutStatus.FAILED.value, error="cancelled by the controller",
                                          ended_by_controller=True)
-                await _finish_despite_cancellation(asyncio.to_thread(self._end_in_store, job, outcome))
+                await finish_despite_cancellation(asyncio.to_thread(self._end_in_store, job, outcome))
                 raise
             except Exception as exc:  # a backend bug or an unreachable cluster: fail this rollout
                 log.exception("backend %s failed on rollout %s", self.backend.name, job.rollout_id)
@@ -310,7 +310,7 @@ class RolloutController:
                      extra: dict[str, Any] | None = None) -> list[RolloutResult]:
         with self._lock:
             self.stats.groups_started += 1
-        results = await asyncio.gather(*(self._sample(task_id, task, i, mode, extra) for i in range(n)))
+        results = await gather_settled(self._sample(task_id, task, i, mode, extra) for i in range(n))
         with self._lock:
             self.stats.groups_finished += 1
         return list(results)
@@ -324,7 +324,7 @@ class RolloutController:
         pairs = load_tasks(tasks, task_id_key=self.task_id_key)
         await self._enter_session()
         try:
-            groups = await asyncio.gather(*(self._group(tid, task, n, mode, metadata) for tid, task in pairs))
+            groups = await gather_settled(self._group(tid, task, n, mode, metadata) for tid, task in pairs)
         finally:
             await self._exit_session()
         return [r for g in groups for r in g]
@@ -388,8 +388,7 @@ class RolloutController:
                 done, active = await _wait_some(active, None)
                 await _report(done, on_group)
         finally:
-            for t in active:
-                t.cancel()
+            await cancel_and_wait(active)
             await self._exit_session()
         return self.stats
 
@@ -439,12 +438,3 @@ def run_rollouts(agent: AgentFn | str, tasks: TaskSource, *, n: int = 1,
     mode = controller_kwargs.pop("mode", Mode.TRAIN.value)
     with RolloutController(agent, **controller_kwargs) as c:
         return c.run(tasks, n=n, mode=mode)
-
-
-async def _finish_despite_cancellation(write: Any) -> None:
-    """Await a short store write to its end though cancelled again: recorded before cancel returns."""
-    task = asyncio.ensure_future(write)
-    while not task.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(task)
-    task.result()

@@ -203,8 +203,9 @@ class TraceStore(StoreQueries, RewardOps, TrainerOps):
             for rid, values in updates:
                 if "final_reward" in values:
                     set_final_reward(conn, rid, values["final_reward"])
-                else:
-                    conn.execute(sa.update(S.rollouts).where(S.rollouts.c.id == rid).values(**values))
+                else:  # the first end stands: the controller may have ended it (cancelled, reaped) already
+                    conn.execute(sa.update(S.rollouts).where(
+                        S.rollouts.c.id == rid, S.rollouts.c.status == RolloutStatus.RUNNING.value).values(**values))
         if self._checkpointer is not None:  # committed: its pages go into the database in the background
             self._checkpointer.kick()
 

@@ -224,6 +224,13 @@ def test_leases_and_reap_stale(store: TraceStore) -> None:
     assert not store.end_rollout_if_running(Rollout(id="done", task_id="t"), status="failed", error="x")
     store.release_leases(["alive", "dead", "done"])
     assert store.count("rollout_leases") == 0
+    # the first end stands: a worker reporting late (a deleted pod flushing its buffer) does not
+    # overwrite the lease reaper's or the controller's verdict
+    store.submit_rollout_end("dead", status="succeeded", ended_at=time.time(), duration_s=1.0, error=None)
+    store.submit_rollout_end("alive", status="succeeded", ended_at=time.time(), duration_s=1.0, error=None)
+    assert store.flush(10)
+    assert store.get_rollout("dead").status == "failed" and "lease expired" in store.get_rollout("dead").error
+    assert store.get_rollout("alive").status == "succeeded"
 
 
 def _call(rid: str, idx: int, *, agent: str | None, prompt: int, completion: int, tools: list[str] | None = None,

@@ -168,7 +168,9 @@ def test_a_pod_killed_mid_batch_fails_only_its_unfinished_rollouts(cluster: Clus
 def test_cancelling_a_batchs_rollouts_deletes_its_job(cluster: Cluster, llm_server: LLMTestServer,
                                                       sq: TraceStore) -> None:
     api, kubelet = cluster
-    backend = _backend(api, 2, batch_linger_s=0.5)
+    # The batch leaves only when full (the linger outlasts the test), so under any load both rollouts
+    # share one Job: its pod runs the first and never starts the second.
+    backend = _backend(api, 2, batch_linger_s=120)
     c = RolloutController(AGENT, store=sq, backend=backend, concurrency=2, policy_version=0)
 
     async def cancel_when_running() -> None:
