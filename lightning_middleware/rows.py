@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,9 +115,13 @@ class RowStats:
     dropped_empty: int = 0
     response_tokens: int = 0
     total_tokens: int = 0
+    # per agent name ("" for calls without one): the merges and breaks above, for the drift check
+    agent_merges: Mapping[str, int] = field(default_factory=dict)
+    agent_breaks: Mapping[str, int] = field(default_factory=dict)
 
     def __add__(self, other: RowStats) -> RowStats:
-        return RowStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)})
+        return RowStats(**{f.name: _plus(getattr(self, f.name), getattr(other, f.name))
+                           for f in dataclasses.fields(self)})
 
     @property
     def prefix_break_rate(self) -> float:
@@ -124,10 +129,25 @@ class RowStats:
         chances = self.merges + self.prefix_breaks
         return self.prefix_breaks / chances if chances else 0.0
 
+    def agent_prefix_breaks(self) -> dict[str, tuple[int, int]]:
+        """Per agent: (breaks, chances to merge)."""
+        agents = set(self.agent_merges) | set(self.agent_breaks)
+        return {a: (self.agent_breaks.get(a, 0), self.agent_breaks.get(a, 0) + self.agent_merges.get(a, 0))
+                for a in sorted(agents)}
+
     def as_dict(self) -> dict[str, float]:
-        d: dict[str, float] = dataclasses.asdict(self)
+        d: dict[str, float] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                               if not f.name.startswith("agent_")}
         d["prefix_break_rate"] = self.prefix_break_rate
         return d
+
+
+def _plus(a: Any, b: Any) -> Any:
+    if isinstance(a, Mapping):
+        total = Counter(a)
+        total.update(b)
+        return dict(total)
+    return a + b
 
 
 # ---------------------------------------------------------------- selecting calls
@@ -321,6 +341,8 @@ def build_rows(
     open_rows: dict[tuple[str | None, str | None], _OpenRow] = {}
     started: list[_OpenRow] = []
     merges = breaks = no_lp = other = 0
+    agent_merges: Counter[str] = Counter()
+    agent_breaks: Counter[str] = Counter()
     for call, next_prompt in zip(used, _next_prompts(used)):
         choice = continued_choice(call, next_prompt)
         other += choice.index != 0
@@ -329,9 +351,11 @@ def build_rows(
         row = open_rows.get(_thread(call))
         if row is not None and row.extends(call.prompt_token_ids):
             merges += 1
+            agent_merges[call.agent_name or ""] += 1
         else:
             if row is not None:
                 breaks += 1
+                agent_breaks[call.agent_name or ""] += 1
                 log.debug("prefix break in rollout %s at call %d", rollout_id, call.call_index)
             row = _OpenRow(agent=call.agent_name, policy=call.model)
             open_rows[_thread(call)] = row
@@ -358,6 +382,8 @@ def build_rows(
         other_choices=other,
         merges=merges,
         prefix_breaks=breaks,
+        agent_merges=dict(agent_merges),
+        agent_breaks=dict(agent_breaks),
         rows=len(rows),
         truncated_rows=outcome_counts["truncated"],
         truncated_response_tokens=lost_total,

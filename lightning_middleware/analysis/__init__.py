@@ -11,6 +11,7 @@ transcripts, dataset export.
 Importing this package stays light: pandas is imported by the functions that need it.
 """
 
+from lightning_middleware.analysis.drift import DriftRow, DriftSummary, drift_summary, format_drift
 from lightning_middleware.analysis.frames import (
                                                   DEFAULT_SUCCESS_THRESHOLD,
                                                   load_calls,
@@ -37,11 +38,15 @@ from lightning_middleware.store import open_store
 
 __all__ = [
     "DEFAULT_SUCCESS_THRESHOLD",
+    "DriftRow",
+    "DriftSummary",
     "RewardComparison",
     "Transcript",
     "TranscriptEntry",
     "best_and_worst",
     "compare_reward_versions",
+    "drift_summary",
+    "format_drift",
     "latency_summary",
     "load_calls",
     "load_policy_versions",

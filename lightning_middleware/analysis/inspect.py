@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from lightning_middleware.analysis.drift import drift_summary, format_drift
 from lightning_middleware.store import TraceStore, default_store_url, open_store
 
 
@@ -14,11 +15,16 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--store", default=None, help=f"store URL (default {default_store_url()})")
     p.add_argument("rollout_id", nargs="?", help="show this rollout's calls")
     p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--drift", action="store_true",
+                   help="prefix breaks and re-tokenising mismatches per agent and task, and template mismatches")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     store = open_store(args.store)
+    if args.drift:
+        print(format_drift(drift_summary(store)))
+        return 0
     if args.rollout_id:
         return _show_rollout(store, args.rollout_id)
     print(f"store: {store.safe_url}")

@@ -35,8 +35,10 @@ def test_ray_groups_concurrency_timeout_and_crash(llm_server: LLMTestServer, sq:
     tasks = A.make_tasks(llm_server, sq, 6, sleep=0.05)
     tasks[4] = {**tasks[4], "sleep": 20}
     tasks[5] = {**tasks[5], "crash": True}
+    # 5 s: t4's 20 s sleep times out on any machine, and the others' ~0.1 s rollouts never do, at
+    # load 9 on 2 cores too (1 s cut one of them short there)
     with RolloutController(A.async_tool_agent, store=sq, backend=RayBackend(num_workers=2), concurrency=4,
-                           timeout_s=1.0) as c:
+                           timeout_s=5.0) as c:
         results = c.run(tasks, n=3)
     by_task: dict[str, list[Any]] = {}
     for r in results:

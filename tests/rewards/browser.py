@@ -88,14 +88,19 @@ class Browser:
         self.wait_for("document.readyState === 'complete'")
 
     def wait_for(self, expression: str, timeout: float = 15.0) -> Any:
-        """Poll `expression` until it is truthy; `timeout` is for a machine as fast as usual."""
+        """Poll `expression` until it is truthy; `timeout` is for a machine as fast as usual. An
+        expression that throws (an element not there while the page re-renders) is polled again:
+        at the deadline the last error is raised."""
         deadline = time.monotonic() + timeout * self.slowness
         while True:
-            value = self.evaluate(expression)
+            try:
+                value, error = self.evaluate(expression), None
+            except RuntimeError as exc:  # the page script threw
+                value, error = None, exc
             if value:
                 return value
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the page never had {expression}")
+                raise TimeoutError(f"the page never had {expression}") from error
             time.sleep(0.1)
 
     def click(self, selector: str) -> None:

@@ -33,7 +33,8 @@ def test_kl_negative_rewards_and_grad_spikes():
     [spike] = checks.check({"grad_norm": 25.0})
     assert spike.kind == "grad_norm_spike" and spike.data["median"] == pytest.approx(1.0) and spike.remedy
     assert _kinds(HealthChecks(HealthConfig(enabled=False)), entropy=0.0, approx_kl=9.0) == set()
-    assert set(REMEDIES) == {"entropy_collapse", "kl_explosion", "negative_rewards", "grad_norm_spike"}
+    assert set(REMEDIES) == {"entropy_collapse", "kl_explosion", "negative_rewards", "grad_norm_spike",
+                             "prefix_breaks", "retokenize_mismatch"}
 
 
 def test_tensorboard_and_wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,11 +13,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lightning_middleware.records import Event
 from lightning_middleware.store import TraceStore
+from trainer_backend.daemon.drift import DriftWatch
 from trainer_backend.daemon.monitoring import Monitor
 from trainer_backend.daemon.settings import SettingsError, TrainerSettings
 from trainer_backend.daemon.trainer_daemon import StepResult, TrainerDaemon
 from trainer_backend.engines.base import Engine
+from trainer_backend.serving.parity import RISK, TemplateParity
 from trainer_backend.serving.publisher import WeightPublisher
 
 log = logging.getLogger(__name__)
@@ -91,6 +94,8 @@ SWITCHES = {  # store_true flags: only an explicit flag overrides the file
     "--freeze-embeddings": ("engine.freeze_embeddings", "freeze the (tied) embeddings"),
     "--compile": ("engine.compile", "torch.compile the decoder layers"),
     "--gradient-checkpointing": ("engine.gradient_checkpointing", "recompute activations in backward"),
+    "--allow-template-mismatch": ("run.allow_template_mismatch", "train though the served model tokenises "
+                                  "differently from --model (a warning instead of a refusal): " + RISK),
 }
 
 
@@ -143,8 +148,19 @@ def run_trainer(args: argparse.Namespace) -> int:
     store = TraceStore(r.store)
     config = settings.trainer_config()
     start_dir, version = TrainerDaemon.resume_point(store, r.model, config.trainer_id)
+    publisher, parity = None, None
+    if r.serve:  # before the engine and any publish: a server that tokenises differently is refused
+        parity = TemplateParity(r.model, r.serve, allow_mismatch=r.allow_template_mismatch)
+        try:
+            served = parity.require("at the trainer's start")
+        except BaseException:
+            parity.close()
+            store.close()
+            raise
+        if not served.ok:
+            store.add_event(Event(kind="template_mismatch", message=served.message("at the trainer's start"),
+                                  source=config.trainer_id, data={"version": version, "allowed": True}))
     engine = make_engine(settings, start_dir, version)
-    publisher = None
     if r.serve:
         publisher = WeightPublisher(r.serve, gateway_url=r.gateway, gateway_token=r.gateway_token,
                                     adapter_name=settings.lora.name if settings.lora.rank and not settings.lora.policies
@@ -155,7 +171,13 @@ def run_trainer(args: argparse.Namespace) -> int:
             publisher.publish(engine.save(Path(config.checkpoint_dir) / "v000000"), 0)
         elif _served_ahead(publisher, version):  # a first step published, killed before its commit
             publisher.publish(start_dir, version)
-    daemon = TrainerDaemon(store, engine, config, publisher)
+    if parity is None:  # no server to check: the stored calls are still re-tokenised each step
+        from transformers import AutoTokenizer
+
+        drift = DriftWatch(store, tokenizer=AutoTokenizer.from_pretrained(r.model), source=config.trainer_id)
+    else:
+        drift = DriftWatch(store, parity=parity, source=config.trainer_id)
+    daemon = TrainerDaemon(store, engine, config, publisher, drift)
     mon = settings.monitor
     monitor = Monitor(tensorboard=mon.tensorboard, wandb_project=mon.wandb_project, wandb_mode=mon.wandb_mode,
                       run_name=config.trainer_id, config=settings.model_dump())
@@ -177,6 +199,8 @@ def run_trainer(args: argparse.Namespace) -> int:
     finally:
         daemon.close()
         monitor.close()
+        if parity is not None:
+            parity.close()
     return 0
 
 

@@ -7,6 +7,12 @@ The checks look at each step's metrics against the run's own history:
     kl_explosion       approx_kl (to the behaviour policy) or kl_ref (to the base model) above `kl_limit`
     negative_rewards   every reward of the step's rollouts below 0
     grad_norm_spike    grad_norm above `grad_spike` x the median of the last `window` steps
+    prefix_breaks      an agent's prefix_break_rate above `prefix_break_limit` (drift.py)
+    retokenize_mismatch  an agent's share of calls whose stored prompt IDs differ from the trainer's
+                       rendering above `retokenize_limit` (drift.py)
+
+The two drift checks need `min_chances` calls of the agent in the step, so one odd call of a
+rarely-called agent does not warn.
 """
 
 from __future__ import annotations
@@ -31,6 +37,13 @@ REMEDIES = {
                         "the reward function's sign and scale (a success must score higher than a failure)",
     "grad_norm_spike": "one step's gradient is far above the recent ones: lower optim.lr or optim.max_grad_norm; "
                        "stale tokens with large ratios are the usual cause (loss.dual_clip, loss.tis_threshold)",
+    "prefix_breaks": "the agent's next prompt does not extend what the model saw before, so its turns train as "
+                     "separate rows: a chat template that re-renders history (dropped reasoning, re-serialised "
+                     "tool calls) or an agent that edits its history; `lightning-mw inspect --drift` lists "
+                     "where, and the agent's framework may have an option to keep history verbatim",
+    "retokenize_mismatch": "the trainer's tokenizer renders the stored requests differently from the IDs the "
+                           "server sampled: serve the trainer's tokenizer and chat template (vLLM's "
+                           "--chat-template, --tokenizer); the rows still train on the server's IDs",
 }
 
 
@@ -41,6 +54,9 @@ class HealthConfig:
     kl_limit: float = 1.0
     grad_spike: float = 10.0
     window: int = 20
+    prefix_break_limit: float = 0.1
+    retokenize_limit: float = 0.05
+    min_chances: int = 5
     enabled: bool = True
 
 
@@ -48,7 +64,7 @@ class HealthConfig:
 class Finding:
     kind: str
     message: str
-    data: dict[str, float]
+    data: dict[str, Any]
 
     @property
     def remedy(self) -> str:
@@ -93,6 +109,22 @@ class HealthChecks:
                                          f"median of the last {len(self._grad_norms)} steps",
                                          {"grad_norm": grad, "median": median}))
             self._grad_norms.append(grad)
+        found += self._drift(metrics)
+        return found
+
+    def _drift(self, metrics: dict[str, Any]) -> list[Finding]:
+        c, found = self.config, []
+        checks = (("prefix_breaks", "prefix_break_rate/", "prefix_chances/", c.prefix_break_limit,
+                   "of its calls broke the prefix of its previous one"),
+                  ("retokenize_mismatch", "retokenize_mismatch_share/", "retokenize_checked/", c.retokenize_limit,
+                   "of its calls re-tokenise differently from their stored prompt IDs"))
+        for kind, rate_key, count_key, limit, what in checks:
+            for key in sorted(k for k in metrics if k.startswith(rate_key)):
+                agent = key[len(rate_key):]
+                rate, count = _number(metrics, key), _number(metrics, count_key + agent)
+                if rate is not None and count is not None and count >= c.min_chances and rate > limit:
+                    found.append(Finding(kind, f"agent {agent}: {rate:.0%} {what} ({count:.0f} checked; "
+                                         f"limit {limit:.0%})", {"agent": agent, "rate": rate, "count": count}))
         return found
 
 

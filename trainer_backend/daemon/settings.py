@@ -50,6 +50,8 @@ class RunSettings(_Section):
     stale: Literal["drop", "keep"] = "drop"
     max_len: int | None = Field(None, ge=2)
     success_threshold: float = 1.0
+    # train though the served model tokenises differently from the trainer's (serving/parity.py)
+    allow_template_mismatch: bool = False
 
 
 class GroupSettings(_Section):
@@ -159,6 +161,8 @@ class MonitorSettings(_Section):
     entropy_floor: float = Field(0.02, ge=0)
     kl_limit: float = Field(1.0, gt=0)
     grad_spike: float = Field(10.0, gt=1)
+    prefix_break_limit: float = Field(0.1, ge=0, le=1)  # an agent's share of calls breaking their prefix
+    retokenize_limit: float = Field(0.05, ge=0, le=1)  # an agent's share of calls re-tokenising differently
 
 
 class RewardSettings(_Section):
@@ -311,7 +315,8 @@ class TrainerSettings(_Section):
             group=GroupPolicy(group_size=g.size, groups_per_step=g.per_step, min_group_size=g.min_size,
                               group_timeout_s=g.timeout_s, skip_uniform=not trains_uniform_groups(a.name)),
             health=HealthConfig(enabled=m.health_checks, entropy_floor=m.entropy_floor, kl_limit=m.kl_limit,
-                                grad_spike=m.grad_spike),
+                                grad_spike=m.grad_spike, prefix_break_limit=m.prefix_break_limit,
+                                retokenize_limit=m.retokenize_limit),
             eval=policy, rewards=RewardPolicy(version=self.rewards.version, wait_for=dict(self.rewards.wait_for),
                                               on_deadline=self.rewards.on_deadline, config=self.rewards.config))
 

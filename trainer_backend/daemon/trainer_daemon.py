@@ -46,6 +46,7 @@ from lightning_middleware.rows import RowStats, build_rows_for_rollouts
 from lightning_middleware.store import LeaseLost, StoreError, get_store
 from trainer_backend.algorithms import labelling
 from trainer_backend.daemon.config import Batch, GroupPolicy, StepResult, TrainerConfig
+from trainer_backend.daemon.drift import DriftWatch
 from trainer_backend.daemon.monitoring import HealthChecks
 from trainer_backend.daemon.reward_gate import RewardGate
 from trainer_backend.daemon.turn_credit import TurnCredit
@@ -61,7 +62,9 @@ class TrainerDaemon:
     """Runs the loop above. Build the engine from `resume_point()` so a restart continues the lineage."""
 
     def __init__(self, store: TraceStore | str, engine: Engine, config: TrainerConfig,
-                 publisher: Publisher | None = None) -> None:
+                 publisher: Publisher | None = None, drift: DriftWatch | None = None) -> None:
+        """`drift`: the per-step drift metrics, with a tokenizer to re-tokenise calls and the served
+        template's check after each publish (default: prefix breaks only)."""
         self.store = get_store(store)
         self.engine = engine
         self.config = config
@@ -71,6 +74,7 @@ class TrainerDaemon:
         self._stop = threading.Event()
         self._closed = threading.Event()
         self.health = HealthChecks(config.health)
+        self.drift = drift or DriftWatch(self.store, source=config.trainer_id)
         self.rewards = RewardGate(self.store, config.rewards, source=config.trainer_id)
         self.credit = TurnCredit(self.store, config.credit, config.credit_gamma)
         self.evaluation = (PeriodicEvaluation(config.eval, self.store, config.checkpoint_dir)
@@ -288,13 +292,16 @@ class TrainerDaemon:
                         len(rollouts))
             self._skip(rollouts, Counter({"no_trainable_rows": len(rollouts)}))
             return None
+        drift, drift_data = self.drift.measure(rollouts, calls, row_stats)
         engine_metrics = self.engine.step(rows)
         version = self.engine.policy_version
         ckpt = self._save(version)
         publish = self._publish(ckpt, version)
+        if self.publisher is not None:  # a served template that changed: refused before the commit
+            self.drift.after_publish(version, self._step + 1)
         self._step += 1
         metrics = self._metrics(rollouts, rows, row_stats, adv, engine_metrics, batch.skipped, t_build,
-                                time.perf_counter() - t0, publish) | self.credit.metrics(rows, steps)
+                                time.perf_counter() - t0, publish) | self.credit.metrics(rows, steps) | drift
         findings = self.health.check(metrics)
         for f in findings:
             metrics[f"health_{f.kind}"] = 1.0
@@ -306,6 +313,7 @@ class TrainerDaemon:
                           metadata={"step": self._step}),
             run_id=self.run_id,
         )
+        self.drift.record(self._step, drift_data)
         for f in findings:  # after the commit: an event of a step that exists
             self.store.add_event(Event(kind=f.kind, message=f.message, source=self.config.trainer_id, step=self._step,
                                        data={**f.data, "remedy": f.remedy}))
