@@ -44,7 +44,8 @@ def test_ray_groups_concurrency_timeout_and_crash(llm_server: LLMTestServer, sq:
     for r in results:
         by_task.setdefault(r.task_id, []).append(r)
     assert all(len(v) == 3 for v in by_task.values()) and len(by_task) == 6
-    assert all(r.status == "succeeded" and r.reward == 1.0 for t in ("t0", "t1", "t2", "t3") for r in by_task[t])
+    fine = [(r.task_id, r.status, r.reward, r.error) for t in ("t0", "t1", "t2", "t3") for r in by_task[t]]
+    assert all(status == "succeeded" and reward == 1.0 for _, status, reward, _ in fine), fine
     assert all(r.status == "timeout" and sq.get_rollout(r.rollout_id).status == "timeout" for r in by_task["t4"])
     assert all(r.status == "failed" and r.attempts == 1 and "tool exploded" in r.error for r in by_task["t5"])
     assert all(len(sq.calls(r.rollout_id)) == 1 for r in by_task["t4"] + by_task["t5"])  # spans kept

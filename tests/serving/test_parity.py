@@ -181,3 +181,16 @@ def test_a_changed_chat_template_is_refused(vllm_python: Path, tied_checkpoints:
         body = {"model": SERVED_NAME, "add_generation_prompt": True, **PROBES["tool_history"]}
         served = httpx.post(f"{server.url}/tokenize", json=body, timeout=30).json()["tokens"]
         assert served != render_request(parity.tokenizer, body) and json.dumps(served)
+
+
+def test_a_server_that_cannot_be_asked_is_not_checked_and_not_refused(tied_checkpoints) -> None:  # noqa: ANN001
+    """No vLLM `/v1/models` or `/tokenize` (the fault tests' stand-in serves only the swap routes), or
+    no server yet: a warning, no refusal, and the report says why nothing was compared."""
+    from tests.faults.vllm_standin import VLLMStandIn
+
+    with VLLMStandIn() as standin:
+        for url, why in ((standin.url, "answered /v1/models with 404"), ("http://127.0.0.1:9", "did not answer")):
+            with TemplateParity(tied_checkpoints.base, url, timeout_s=5) as parity:
+                report = parity.require("at the trainer's start")
+            assert report.ok and report.unavailable and why in report.unavailable, report
+            assert report.probes_checked == 0

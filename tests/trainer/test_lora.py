@@ -102,3 +102,36 @@ def test_dpo_and_micro_batches_with_lora(model_dir):
     assert m1["grad_norm"] == pytest.approx(mk["grad_norm"], rel=1e-5)
     margins = [one.step(_rows())["rewards_margins"] for _ in range(3)]
     assert margins[-1] > margins[0] > 0
+
+
+def test_a_trained_adapter_merges_into_a_plain_model_with_the_same_outputs(model_dir, tmp_path, capsys):
+    """`lightning-mw merge-lora`: the merged folder has no adapter, loads with transformers alone,
+    and gives the adapter's log-probs; bad input is one line each."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_middleware.cli import main
+
+    engine = _engine(model_dir)
+    for _ in range(3):
+        engine.step(_rows())  # B moves away from 0: the merge has something to add
+    ckpt = engine.save(tmp_path / "v3")
+    trained = _flat(engine.token_logprobs(_rows()))
+    assert trained != pytest.approx(_flat(TorchEngine(model_dir, TorchEngineConfig(precision="fp32"))
+                                          .token_logprobs(_rows())), abs=1e-4)
+    out = tmp_path / "merged"
+    assert main(["merge-lora", str(ckpt), "--out", str(out)]) == 0
+    assert not is_adapter_dir(out) and (out / "model.safetensors").is_file()
+    assert (out / "tokenizer_config.json").read_text() == (model_dir / "tokenizer_config.json").read_text()
+    assert json.loads((out / "merged_from.json").read_text())["base"] == str(model_dir.resolve())
+    merged = TorchEngine(out, TorchEngineConfig(precision="fp32"))
+    assert not merged.is_lora
+    assert _flat(merged.token_logprobs(_rows())) == pytest.approx(trained, abs=1e-5)
+    assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size == 64  # a plain folder
+
+    capsys.readouterr()
+    assert main(["merge-lora", str(ckpt), "--out", str(out)]) == 2  # never over an existing model
+    assert main(["merge-lora", str(model_dir), "--out", str(tmp_path / "x")]) == 2  # not an adapter
+    assert main(["merge-lora", str(tmp_path / "nowhere"), "--out", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("lightning-mw merge-lora: ") for line in err)
+    assert "not empty" in err[0] and "not a LoRA adapter folder" in err[1] and "no adapter folder" in err[2]

@@ -133,6 +133,24 @@ def _served_ahead(publisher: WeightPublisher, version: int) -> bool:
         return False
 
 
+def _tokenizer(model_dir: str) -> Any | None:
+    """The model folder's tokenizer, for the parity and drift checks; None (a warning) without one:
+    training itself needs none, it trains on the stored token IDs."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError or TypeError here
+        why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    else:
+        if getattr(tokenizer, "chat_template", None):
+            return tokenizer
+        why = "it has no chat template"
+    log.warning("no chat tokenizer in %s (%s): the served model's chat template is not checked and stored "
+                "calls are not re-tokenised", model_dir, why)
+    return None
+
+
 def run_trainer(args: argparse.Namespace) -> int:
     settings = settings_from(args)  # SettingsError: lightning-mw prints it on one line, exits 2
     if not args.print_config:
@@ -149,8 +167,10 @@ def run_trainer(args: argparse.Namespace) -> int:
     config = settings.trainer_config()
     start_dir, version = TrainerDaemon.resume_point(store, r.model, config.trainer_id)
     publisher, parity = None, None
-    if r.serve:  # before the engine and any publish: a server that tokenises differently is refused
-        parity = TemplateParity(r.model, r.serve, allow_mismatch=r.allow_template_mismatch)
+    tokenizer = _tokenizer(r.model)
+    if r.serve and tokenizer is not None:  # before the engine and any publish: a server that tokenises
+        # differently is refused
+        parity = TemplateParity(r.model, r.serve, allow_mismatch=r.allow_template_mismatch, tokenizer=tokenizer)
         try:
             served = parity.require("at the trainer's start")
         except BaseException:
@@ -171,12 +191,7 @@ def run_trainer(args: argparse.Namespace) -> int:
             publisher.publish(engine.save(Path(config.checkpoint_dir) / "v000000"), 0)
         elif _served_ahead(publisher, version):  # a first step published, killed before its commit
             publisher.publish(start_dir, version)
-    if parity is None:  # no server to check: the stored calls are still re-tokenised each step
-        from transformers import AutoTokenizer
-
-        drift = DriftWatch(store, tokenizer=AutoTokenizer.from_pretrained(r.model), source=config.trainer_id)
-    else:
-        drift = DriftWatch(store, parity=parity, source=config.trainer_id)
+    drift = DriftWatch(store, tokenizer=tokenizer, parity=parity, source=config.trainer_id)
     daemon = TrainerDaemon(store, engine, config, publisher, drift)
     mon = settings.monitor
     monitor = Monitor(tensorboard=mon.tensorboard, wandb_project=mon.wandb_project, wandb_mode=mon.wandb_mode,

@@ -25,7 +25,13 @@ from typing import Any
 from lightning_middleware import Rollout, TraceStore
 from lightning_middleware.records import Event, LLMCall
 from lightning_middleware.rows import RowStats, counted_attempts
-from trainer_backend.serving.parity import ALLOW_FLAG, TemplateMismatch, TemplateParity, render_request
+from trainer_backend.serving.parity import (
+    ALLOW_FLAG,
+    ParityUnavailable,
+    TemplateMismatch,
+    TemplateParity,
+    render_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +75,12 @@ class DriftWatch:
         """Check the served model again (a full reload serves the checkpoint's own tokenizer files)."""
         if self.parity is None:
             return
-        report = self.parity.check()
+        try:
+            report = self.parity.check()
+        except ParityUnavailable as exc:  # the publish went through: a server that stopped answering /tokenize
+            log.warning("the served model's chat template is not checked after publishing version %d: %s",
+                        version, exc)
+            return
         if report.ok:
             return
         message = report.message(f"after publishing version {version}")

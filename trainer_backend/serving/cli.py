@@ -1,4 +1,4 @@
-"""`lightning-mw serve MODEL_DIR` and `lightning-mw vllm-env`."""
+"""`lightning-mw serve MODEL_DIR`, `lightning-mw vllm-env` and `lightning-mw merge-lora ADAPTER`."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from typing import Any
 
 from lightning_middleware.errors import UsageError
 from trainer_backend.serving.env import VLLMServerError, ensure_vllm_env
+from trainer_backend.serving.merge import DTYPES, merge_adapter
 from trainer_backend.serving.server import VLLMServer
 
 
 def add_cli(subparsers: Any) -> None:
-    """Register ``serve MODEL_DIR`` and ``vllm-env`` on an argparse subparsers object."""
+    """Register ``serve MODEL_DIR``, ``vllm-env`` and ``merge-lora`` on an argparse subparsers object."""
     serve = subparsers.add_parser("serve", help="run a vLLM server for a model folder")
     serve.add_argument("model_dir")
     serve.add_argument("--port", type=int, default=None, help="default: a free port")
@@ -37,6 +38,19 @@ def add_cli(subparsers: Any) -> None:
     env.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     env.add_argument("--force", action="store_true", help="recreate it")
     env.set_defaults(func=_cmd_vllm_env)
+    merge = subparsers.add_parser("merge-lora", help="merge a trained LoRA adapter into its base model: a plain "
+                                                     "Hugging Face folder, served without adapters")
+    merge.add_argument("adapter_dir", help="the adapter checkpoint (a trainer's --lora-rank checkpoint)")
+    merge.add_argument("--out", required=True, help="the new model folder")
+    merge.add_argument("--base", default=None, help="the base model folder (default: the one the adapter names)")
+    merge.add_argument("--dtype", default="base", choices=DTYPES, help="the saved dtype (default: the base's)")
+    merge.set_defaults(func=_cmd_merge)
+
+
+def _cmd_merge(args: argparse.Namespace) -> int:
+    out = merge_adapter(args.adapter_dir, args.out, base=args.base, dtype=args.dtype)
+    print(f"merged {args.adapter_dir} into {out}")
+    return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

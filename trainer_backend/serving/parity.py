@@ -57,6 +57,10 @@ class TemplateMismatch(UsageError):
     """The served model renders or tokenises differently from the trainer's tokenizer."""
 
 
+class ParityUnavailable(Exception):
+    """The server cannot be asked (unreachable, or no vLLM `/tokenize`): nothing was compared."""
+
+
 def normalise_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Messages as vLLM hands them to the chat template."""
     out = []
@@ -129,6 +133,7 @@ class ParityReport:
     special_tokens_checked: int = 0
     differences: tuple[Difference, ...] = ()
     problems: tuple[str, ...] = ()  # vocabulary and special-token findings
+    unavailable: str | None = None  # why nothing could be compared (then `ok`: nothing found)
 
     @property
     def ok(self) -> bool:
@@ -184,7 +189,11 @@ class TemplateParity:
 
     def require(self, when: str) -> ParityReport:
         """`check()`, raising `TemplateMismatch` on a mismatch unless mismatches are allowed (then a warning)."""
-        report = self.check()
+        try:
+            report = self.check()
+        except ParityUnavailable as exc:
+            log.warning("the served model's chat template is not checked %s: %s", when, exc)
+            return ParityReport(self.root, self.model_dir, unavailable=str(exc))
         if not report.ok:
             if not self.allow_mismatch:
                 raise TemplateMismatch(report.message(when))
@@ -196,7 +205,7 @@ class TemplateParity:
         models = self._get("/v1/models").get("data") or []
         base = [m for m in models if not m.get("parent")]  # LoRA adapters name their base as parent
         if not base:
-            raise TemplateMismatch(f"the server at {self.root} lists no model on /v1/models")
+            raise ParityUnavailable(f"the server at {self.root} lists no model on /v1/models")
         return dict(base[0])
 
     def _first_difference(self, probe: str, server: list[int], trainer: list[int]) -> Difference | None:
@@ -235,15 +244,19 @@ class TemplateParity:
         return [] if got == want else [f"token {last} decodes as {got!r} on the server, {want!r} for the trainer"]
 
     def _get(self, path: str) -> dict[str, Any]:
-        resp = self._http.get(self.root + path)
-        resp.raise_for_status()
-        out: dict[str, Any] = resp.json()
-        return out
+        return self._ask("GET", path, None)
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        resp = self._http.post(self.root + path, json=body)
+        return self._ask("POST", path, body)
+
+    def _ask(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        try:
+            resp = self._http.request(method, self.root + path, json=body)
+        except httpx.HTTPError as exc:
+            raise ParityUnavailable(f"the server at {self.root} did not answer {path} "
+                                    f"({type(exc).__name__}: {exc})") from None
         if resp.status_code != 200:
-            raise TemplateMismatch(f"the server at {self.root} refused {path} ({resp.status_code}: "
-                                   f"{resp.text[:200]}); is it a vLLM server?")
+            raise ParityUnavailable(f"the server at {self.root} answered {path} with {resp.status_code} "
+                                    f"({resp.text[:200]}): not a vLLM server?")
         out: dict[str, Any] = resp.json()
         return out
