@@ -25,13 +25,7 @@ from typing import Any
 from lightning_middleware import Rollout, TraceStore
 from lightning_middleware.records import Event, LLMCall
 from lightning_middleware.rows import RowStats, counted_attempts
-from trainer_backend.serving.parity import (
-    ALLOW_FLAG,
-    ParityUnavailable,
-    TemplateMismatch,
-    TemplateParity,
-    render_request,
-)
+from trainer_backend.serving.parity import TemplateMismatch, TemplateParity, render_request
 
 log = logging.getLogger(__name__)
 
@@ -72,32 +66,33 @@ class DriftWatch:
                                    source=self.source, step=step, data=data))
 
     def after_publish(self, version: int, step: int) -> None:
-        """Check the served model again (a full reload serves the checkpoint's own tokenizer files)."""
+        """Check the served model again (a full reload serves the checkpoint's own tokenizer files);
+        a mismatch is an event, then a refusal unless mismatches are allowed (`TemplateParity.require`)."""
         if self.parity is None:
             return
+        when = f"after publishing version {version}"
         try:
-            report = self.parity.check()
-        except ParityUnavailable as exc:  # the publish went through: a server that stopped answering /tokenize
-            log.warning("the served model's chat template is not checked after publishing version %d: %s",
-                        version, exc)
-            return
-        if report.ok:
-            return
-        message = report.message(f"after publishing version {version}")
+            report = self.parity.require(when)
+        except TemplateMismatch as exc:
+            self._mismatch_event(str(exc), version, step)
+            raise
+        if not report.ok:
+            self._mismatch_event(report.message(when), version, step)
+
+    def _mismatch_event(self, message: str, version: int, step: int) -> None:
+        assert self.parity is not None
         self.store.add_event(Event(kind="template_mismatch", message=message, source=self.source, step=step,
                                    data={"version": version, "allowed": self.parity.allow_mismatch}))
-        if not self.parity.allow_mismatch:
-            raise TemplateMismatch(message)
-        log.warning("%s (allowed by %s)", message, ALLOW_FLAG)
 
     def _retokenize(self, rollouts: Sequence[Rollout], calls: Mapping[str | None, Sequence[LLMCall]]
                     ) -> tuple[Counter[tuple[str, str]], Counter[tuple[str, str]]]:
         """Per (agent, task): calls checked, and those whose stored prompt IDs differ."""
         checked: Counter[tuple[str, str]] = Counter()
         differing: Counter[tuple[str, str]] = Counter()
+        total = 0
         for r in rollouts:
             for call in counted_attempts(list(calls.get(r.id, ()))):
-                if sum(checked.values()) >= SAMPLE_CALLS:
+                if total >= SAMPLE_CALLS:
                     return checked, differing
                 if not call.prompt_token_ids or not call.request.get("messages"):
                     continue  # text completions, or a call recorded without its token IDs
@@ -108,5 +103,6 @@ class DriftWatch:
                     ids = []
                 key = (call.agent_name or "", r.task_id or "")
                 checked[key] += 1
+                total += 1
                 differing[key] += tuple(ids) != tuple(call.prompt_token_ids)
         return checked, differing

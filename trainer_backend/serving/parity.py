@@ -181,9 +181,9 @@ class TemplateParity:
             d = self._first_difference(name, [int(t) for t in server], trainer)
             if d is not None:
                 differences.append(d)
-        problems, n_special = self._special_tokens(model), len(self._special_ids())
-        problems += self._vocabulary_end(model)
-        self.last = ParityReport(self.root, self.model_dir, served, len(PROBES), n_special,
+        special = self._special_ids()
+        problems = self._special_tokens(model, special) + self._vocabulary_end(model)
+        self.last = ParityReport(self.root, self.model_dir, served, len(PROBES), len(special),
                                  tuple(differences), tuple(problems))
         return self.last
 
@@ -225,9 +225,9 @@ class TemplateParity:
         ids = {n: tok.convert_tokens_to_ids(n) for n in sorted(names)}
         return {n: int(i) for n, i in ids.items() if isinstance(i, int)}
 
-    def _special_tokens(self, model: str) -> list[str]:
+    def _special_tokens(self, model: str, special: Mapping[str, int]) -> list[str]:
         problems = []
-        for text, want in self._special_ids().items():
+        for text, want in special.items():
             got = self._post("/tokenize", {"model": model, "prompt": text, "add_special_tokens": False})["tokens"]
             if list(got) != [want]:
                 problems.append(f"special token {text!r} is {want} for the trainer, {list(got)} on the server")
