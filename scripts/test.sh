@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Set up (idempotent), lint and type-check, then run the whole test suite: store tests start
 # their own PostgreSQL, serving tests start one shared vLLM CPU server. Extra arguments go to pytest.
+#   --quick                   the quick tier, to run while working: every test that needs no vLLM
+#                             server, no demo and no browser (tests/workers.py); not a replacement for CI
 #   LIGHTNING_TEST_STRESS=N   keep N cores busy (Debian's stress-ng, installed for that run) while
 #                             the suite runs: the check that no test's deadline depends on a quiet machine
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+quick=0
+if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
+if [ "$quick" = 1 ]; then LIGHTNING_SKIP_VLLM=1 bash scripts/setup.sh; else bash scripts/setup.sh; fi
 export PYTHONUNBUFFERED=1
 echo "[test] ruff (lint + import order)"
 .venv/bin/ruff check .
@@ -31,13 +35,16 @@ fi
 # for a missing module fails (tests/strict.py): the set-up above installed every extra.
 export LIGHTNING_TEST_INSTALL_VLLM=1 LIGHTNING_TEST_REQUIRE_ALL=1
 status=0
-# Two pytest-xdist workers (29.5 min against 39 serially on AVX512-BF16, docs/benchmarks.md);
-# `--dist loadgroup` keeps tests that share a session server on one worker (tests/conftest.py).
+# Two pytest-xdist workers. `--dist loadgroup` keeps the tests that share a session server on one
+# worker, and the demos one after another on one; without xdist's reordering of groups by size the
+# demos' group, first in the collection, starts at once (tests/workers.py).
 # LIGHTNING_TEST_WORKERS=0 runs serially.
 workers=${LIGHTNING_TEST_WORKERS:-2}
 xdist=()
-[ "$workers" != "0" ] && xdist=(-n "$workers" --dist loadgroup)
-.venv/bin/python -m pytest -q -ra --timeout=900 "${xdist[@]}" "$@" || status=$?
+[ "$workers" != "0" ] && xdist=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
+tier=()
+[ "$quick" = 1 ] && tier=(-m "$(.venv/bin/python -c 'from tests.workers import QUICK; print(QUICK)')")
+.venv/bin/python -m pytest -q -ra --timeout=900 "${xdist[@]}" "${tier[@]}" "$@" || status=$?
 if ! wait "$mypy_pid"; then
   echo "[test] mypy failed:"; cat "$mypy_log"; exit 1
 fi

@@ -30,8 +30,9 @@ from lightning_middleware.testing.secret_scan import Finding, scan_database, sca
 
 # tests.fixtures_vllm: one real vLLM CPU server per session, for the tests that ask;
 # tests.leaks: the run fails if a test leaves a thread, a child process or a server running;
-# tests.strict: with LIGHTNING_TEST_REQUIRE_ALL=1 (scripts/test.sh) a skip for a missing module fails
-pytest_plugins = ["tests.fixtures_vllm", "tests.leaks", "tests.strict"]
+# tests.strict: with LIGHTNING_TEST_REQUIRE_ALL=1 (scripts/test.sh) a skip for a missing module fails;
+# tests.workers: which tests share a pytest-xdist worker, and the check that they do
+pytest_plugins = ["tests.fixtures_vllm", "tests.leaks", "tests.strict", "tests.workers"]
 
 # A key or token literal in a test's source (`api_key="..."`, `token = "..."`, `"Bearer ..."`);
 # placeholders (shorter than 6 characters, or one lower-case word like "unused") are left out.
@@ -86,31 +87,6 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     helpers = sys.modules.get("tests.trainer.test_daemon")
     while helpers is not None and helpers.OPEN_DAEMONS:
         helpers.OPEN_DAEMONS.pop().close()
-
-
-# The three demo runs, the longest tests by far (docs/benchmarks.md, "The test suite's time"), each
-# keeping both cores busy with its vLLM server and trainer.
-_DEMOS = ("tests/demo/test_smol_demo.py::test_short_smol_demo_learns",
-          "tests/demo/test_team_demo.py::test_short_team_demo_trains_each_role_on_its_own_adapter",
-          "tests/demo/test_demo.py::test_short_demo_learns")
-# With pytest-xdist (scripts/test.sh runs `-n 2 --dist loadgroup`) each worker is a session of its
-# own. Kept on one worker: the tests that share the tiny model's vLLM server (it starts once), and
-# those of Ray's local runtime (two workers would start it on one port); and the demos, one after
-# another and first, beside the rest of the suite, which mostly waits on servers and subprocesses:
-# two demos at once only share the cores.
-_WORKER_GROUPS = (("demo", lambda item: item.nodeid in _DEMOS),
-                  ("vllm", lambda item: "vllm_server" in item.fixturenames),
-                  ("ray", lambda item: item.nodeid.startswith("tests/controller/test_controller_ray")))
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        for group, wants in _WORKER_GROUPS:
-            if wants(item):
-                item.add_marker(pytest.mark.xdist_group(group))
-                break
-    rank = {nodeid: i for i, nodeid in enumerate(_DEMOS)}
-    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")

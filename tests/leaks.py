@@ -12,6 +12,9 @@ named with the test that started it:
 - a child process, except the interpreter's own helpers in EXPECTED_CHILDREN;
 - a socket this process still listens on.
 
+Under pytest-xdist each worker checks itself and sends what it found to the controller, which fails
+the run (a worker's own exit status is not the run's).
+
 The other daemon threads of ours (a store's writer and WAL checkpointer: stores the tests never
 closed) are listed, not failed: 20-odd tests leave one today, a follow-up to close them.
 """
@@ -23,6 +26,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import psutil
 import pytest
@@ -48,6 +52,18 @@ class _Ledger:
 
 
 _ledger = _Ledger()
+
+
+@dataclass
+class _Reported:
+    """On an xdist controller: what the workers' checks found."""
+
+    failing: list[str] = field(default_factory=list)
+    listed: list[str] = field(default_factory=list)
+
+
+_reported = _Reported()
+WORKER_KEY = "lightning_leaks"
 _me = psutil.Process(os.getpid())
 
 
@@ -105,14 +121,7 @@ def _leftovers() -> tuple[list[str], list[str]]:
     return failing, listed
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if session.config.option.collectonly or os.environ.get("LIGHTNING_TEST_LEAKS") == "off":
-        return
-    deadline = time.monotonic() + GRACE_S
-    failing, listed = _leftovers()
-    while (failing or listed) and time.monotonic() < deadline:
-        time.sleep(0.2)
-        failing, listed = _leftovers()
+def _report(session: pytest.Session, failing: list[str], listed: list[str]) -> None:
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     for title, found, red in (("left running", failing, True), ("left running (listed, not failed)", listed, False)):
         if found and reporter is not None:
@@ -122,3 +131,40 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 reporter.write_line(f"  {line}")
     if failing:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _controller(config: pytest.Config) -> bool:
+    """Whether this process hands the tests to pytest-xdist workers and runs none itself."""
+    return config.pluginmanager.get_plugin("dsession") is not None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    # On the controller, as each worker ends: what its own check found (sent by the worker below).
+    found = getattr(node, "workeroutput", {}).get(WORKER_KEY)
+    if found:
+        worker = node.gateway.id
+        _reported.failing.extend(f"[{worker}] {line}" for line in found["failing"])
+        _reported.listed.extend(f"[{worker}] {line}" for line in found["listed"])
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if config.option.collectonly or os.environ.get("LIGHTNING_TEST_LEAKS") == "off":
+        return
+    if _controller(config):
+        # Every worker has ended (pytest_testnodedown) before the controller's session finishes.
+        _report(session, _reported.failing, _reported.listed)
+        return
+    deadline = time.monotonic() + GRACE_S
+    failing, listed = _leftovers()
+    while (failing or listed) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        failing, listed = _leftovers()
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:
+        # A worker's exit status is not the run's: the controller reads this after the hook (xdist
+        # sends workeroutput once every pytest_sessionfinish has run) and fails the run itself.
+        workeroutput[WORKER_KEY] = {"failing": failing, "listed": listed}
+        return
+    _report(session, failing, listed)

@@ -206,8 +206,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="CPU each completion computes, one at a time (an engine that fills a core)")
     args = parser.parse_args(argv)
     logging.getLogger("uvicorn.error").addFilter(_DroppedOnPurpose())
+    # Idle connections stay open 75 s, as the gateway's and our vLLM servers' (docs/reliability.md):
+    # with uvicorn's 5 s a client pool reusing a connection just as the server closes it fails the
+    # request (LiteLLM's aiohttp pool keeps them 15 s: "Cannot write to closing transport" in CI).
     uvicorn.run(build_app(args.latency_ms / 1000, args.cpu_ms / 1000), host=args.host, port=args.port,
-                log_level="warning", access_log=False)
+                log_level="warning", access_log=False, timeout_keep_alive=75)
 
 
 if __name__ == "__main__":

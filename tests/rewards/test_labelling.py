@@ -38,6 +38,7 @@ def _human(store: TraceStore, rid: str) -> list[tuple[float, dict]]:
             if r.name == "human" and r.config_hash is None]
 
 
+@pytest.mark.browser
 def test_a_person_scores_and_compares_rollouts_in_a_browser(labelled_store: TraceStore, tmp_path: Path) -> None:
     store = labelled_store
     with serve(build_app(store, scorer=Scorer(CONFIG))) as url, browser(tmp_path / "profile") as page:

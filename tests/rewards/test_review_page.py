@@ -33,6 +33,7 @@ def _human(store: TraceStore, rid: str) -> list[float]:
     return [r.value for r in store.rewards(rid) if r.name == "human" and r.config_hash is None]
 
 
+@pytest.mark.browser
 def test_review_page_on_the_gateway(llm_server: LLMTestServer, tmp_path: Path) -> None:
     store = TraceStore(f"sqlite:///{tmp_path / 'review.db'}")
     quality = {"r-1": 0.9, "r-2": 0.1, "r-3": 0.5}

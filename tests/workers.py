@@ -1,0 +1,83 @@
+"""Which tests share a pytest-xdist worker, which belong to the quick tier, and the check that the
+grouping took effect (a pytest plugin module: the root conftest loads it).
+
+Each test gets the markers of what it needs, so that one expression selects a tier:
+- `vllm`: it starts a vLLM CPU server (it asks for the `vllm_python` fixture, or says so itself);
+- `demo`: one of the three demo runs (DEMOS), the longest tests by far;
+- `browser`: it drives headless Chromium (the tests say so themselves).
+`bash scripts/test.sh --quick` deselects all three (QUICK): the tier to run while working.
+
+scripts/test.sh runs `-n 2 --dist loadgroup --no-loadscope-reorder`; each worker is a pytest
+session of its own, so a session fixture (a server) starts once per worker that runs a test
+asking for it. Kept on one worker, each group in GROUPS: the tests that share the tiny model's vLLM
+server (it starts once), those of Ray's local runtime (two workers would start it on one port),
+and the demos, one after another (each keeps both cores busy with its own vLLM server and
+trainer). The demos come first in the collection, and without xdist's reordering of groups by size
+their group is the first work unit handed out: it is the suite's longest, so it starts at once and
+the other worker takes the rest.
+
+`--dist loadgroup` groups by a suffix xdist appends to each grouped test's id (`NODEID@group`).
+With pytest 9.2 and pytest-xdist 3.8 that suffix is lost (xdist writes `item._nodeid`, pytest 9.2
+keeps the id in `item._id`) and the tests spread over both workers with no error; pyproject.toml
+pins pytest below 9.2. So a worker checks, once collected, that every grouped test's id carries its
+group, and stops the run on one line if not; tests/test_workers.py runs a planted suite on two
+workers and checks where its grouped tests ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+DEMOS = ("tests/demo/test_smol_demo.py::test_short_smol_demo_learns",
+         "tests/demo/test_team_demo.py::test_short_team_demo_trains_each_role_on_its_own_adapter",
+         "tests/demo/test_demo.py::test_short_demo_learns")  # longest first
+QUICK = "not vllm and not demo and not browser"
+GROUPS: tuple[tuple[str, Callable[[pytest.Item], bool]], ...] = (
+    ("demo", lambda item: item.get_closest_marker("demo") is not None),
+    ("vllm", lambda item: "vllm_server" in item.fixturenames),
+    ("ray", lambda item: item.nodeid.startswith("tests/controller/test_controller_ray")),
+)
+
+
+def _base(nodeid: str) -> str:
+    return nodeid.rpartition("@")[0] if "@" in nodeid.rpartition("]")[2] else nodeid
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which turns the group markers into id suffixes
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _base(item.nodeid) in DEMOS:
+            item.add_marker(pytest.mark.demo)
+        if "vllm_python" in item.fixturenames and item.get_closest_marker("vllm") is None:
+            item.add_marker(pytest.mark.vllm)
+        for group, wants in GROUPS:
+            if wants(item):
+                item.add_marker(pytest.mark.xdist_group(group))
+                break
+    rank = {nodeid: i for i, nodeid in enumerate(DEMOS)}
+    items.sort(key=lambda item: rank.get(_base(item.nodeid), len(rank)))  # stable: the rest keep their order
+
+
+def ungrouped(items: list[pytest.Item]) -> list[str]:
+    """The ids of grouped tests whose id lacks the `@group` suffix loadgroup schedules by."""
+    lost = []
+    for item in items:
+        names = sorted({m.kwargs.get("name", m.args[0] if m.args else "default")
+                        for m in item.iter_markers("xdist_group")})
+        if names and not item.nodeid.endswith("@" + "_".join(names)):
+            lost.append(item.nodeid)
+    return lost
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not getattr(session.config.option, "loadgroup", False):  # what xdist sets on a worker
+        return
+    if lost := ungrouped(session.items):
+        # An exception here would end the worker with no word to the controller; a worker's
+        # shouldstop reaches it, and it stops the run with this line ("Interrupted: ...").
+        session.shouldstop = (
+            f"--dist loadgroup did not group {len(lost)} tests (first: {lost[0]}): this pytest "
+            f"({pytest.__version__}) and pytest-xdist drop the group from the test id; "
+            "use the versions pyproject.toml pins (bash scripts/setup.sh)")
