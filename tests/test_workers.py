@@ -65,7 +65,7 @@ KEPT = []
 
 
 def test_leaves_a_thread_and_a_socket():
-    threading.Thread(target=time.sleep, args=(9,), name="left-behind").start()  # outlives the check's grace
+    threading.Thread(target=time.sleep, args=(4,), name="left-behind").start()  # outlives the check's grace
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     s.listen()
@@ -80,7 +80,7 @@ CLEAN = "def test_one():\n    pass\n\n\ndef test_two():\n    pass\n"
 
 
 def _pytest(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LIGHTNING_TEST_LEAKS_GRACE_S": "1"}
     for name in ("LIGHTNING_TEST_LEAKS", "PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS"):
         env.pop(name, None)
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(folder),

@@ -142,10 +142,10 @@ def test_the_daemon_trains_each_policy_on_its_agents_rewards(llm_server, store, 
                 emit_reward(float(i < 2), agent="reviewer")
                 r.reward(1.0)  # the team's reward: uniform
     torch.manual_seed(0)
-    daemon = TrainerDaemon(store, PolicySet(base, ["coder", "reviewer"], CONFIG),
-                           TrainerConfig(checkpoint_dir=str(tmp_path / "ckpt"), poll_interval_s=0.05,
-                                         group=GroupPolicy(group_size=4, groups_per_step=2)))
-    [result] = daemon.run(max_steps=1)
+    with TrainerDaemon(store, PolicySet(base, ["coder", "reviewer"], CONFIG),
+                       TrainerConfig(checkpoint_dir=str(tmp_path / "ckpt"), poll_interval_s=0.05,
+                                     group=GroupPolicy(group_size=4, groups_per_step=2))) as daemon:
+        [result] = daemon.run(max_steps=1)  # closed after: its lease thread ends with the test
     m = result.metrics
     assert m.get("skipped_uniform_reward", 0) == 0  # the roles' rewards differ: signal
     assert m["policies_updated"] == 2 and m["coder/rows"] == 8 and m["reviewer/rows"] == 8
