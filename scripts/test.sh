@@ -11,6 +11,9 @@ quick=0
 if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
 if [ "$quick" = 1 ]; then LIGHTNING_SKIP_VLLM=1 bash scripts/setup.sh; else bash scripts/setup.sh; fi
 export PYTHONUNBUFFERED=1
+# Some machine images set PYTHONDONTWRITEBYTECODE: then every pytest worker and every Python process
+# a test starts compiles our modules again, and pytest rewrites each test module's asserts again.
+unset PYTHONDONTWRITEBYTECODE
 echo "[test] ruff (lint + import order)"
 .venv/bin/ruff check .
 # mypy needs one core for ~2.5 min on a cold cache; the suite's first minutes leave the other idle,
@@ -38,8 +41,11 @@ status=0
 # Two pytest-xdist workers. `--dist loadgroup` keeps the tests that share a session server on one
 # worker, and the demos one after another on one; without xdist's reordering of groups by size the
 # demos' group, first in the collection, starts at once (tests/workers.py).
-# LIGHTNING_TEST_WORKERS=0 runs serially.
-workers=${LIGHTNING_TEST_WORKERS:-2}
+# The quick tier takes three: its tests mostly wait on servers and subprocesses (6 min 28 s against
+# 8 min 02 s with two on AVX512-BF16, docs/benchmarks.md). LIGHTNING_TEST_WORKERS=0 runs serially.
+default_workers=2
+[ "$quick" = 1 ] && default_workers=3
+workers=${LIGHTNING_TEST_WORKERS:-$default_workers}
 xdist=()
 [ "$workers" != "0" ] && xdist=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
 tier=()

@@ -15,7 +15,7 @@ IN_A_TEST = ("import pytest\n\ndef test_b():\n    pytest.importorskip('no_such_m
 
 
 def _pytest(folder: Path, require_all: bool) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # ours alone: ~3 s less CPU
     env.pop("LIGHTNING_TEST_REQUIRE_ALL", None)
     if require_all:
         env["LIGHTNING_TEST_REQUIRE_ALL"] = "1"
