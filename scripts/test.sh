@@ -41,8 +41,8 @@ status=0
 # Two pytest-xdist workers. `--dist loadgroup` keeps the tests that share a session server on one
 # worker, and the demos one after another on one; without xdist's reordering of groups by size the
 # demos' group, first in the collection, starts at once (tests/workers.py).
-# The quick tier takes three: its tests mostly wait on servers and subprocesses (6 min 28 s against
-# 8 min 02 s with two on AVX512-BF16, docs/benchmarks.md). LIGHTNING_TEST_WORKERS=0 runs serially.
+# The quick tier takes three: its tests mostly wait on servers and subprocesses, so a third worker
+# fills the cores' idle time (docs/benchmarks.md, "The quick tier"). LIGHTNING_TEST_WORKERS=0 runs serially.
 default_workers=2
 [ "$quick" = 1 ] && default_workers=3
 workers=${LIGHTNING_TEST_WORKERS:-$default_workers}
