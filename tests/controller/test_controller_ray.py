@@ -31,14 +31,17 @@ def sq(tmp_path: Path) -> TraceStore:
     s.close()
 
 
-def test_ray_groups_concurrency_timeout_and_crash(llm_server: LLMTestServer, sq: TraceStore) -> None:
+def test_ray_groups_concurrency_timeout_and_crash(llm_server: LLMTestServer, sq: TraceStore,
+                                                 slowness: float) -> None:
+    # 5 s on a quiet machine, scaled by how slowly this one starts Python processes now (an actor's
+    # first rollout imports the agent): the others' ~0.1 s rollouts never time out, t4's sleep of 4
+    # timeouts always does. A fixed 1 s, then 5 s, cut a rollout short under load (docs/benchmarks.md).
+    timeout = 5.0 * slowness
     tasks = A.make_tasks(llm_server, sq, 6, sleep=0.05)
-    tasks[4] = {**tasks[4], "sleep": 20}
+    tasks[4] = {**tasks[4], "sleep": 4 * timeout}
     tasks[5] = {**tasks[5], "crash": True}
-    # 5 s: t4's 20 s sleep times out on any machine, and the others' ~0.1 s rollouts never do, at
-    # load 9 on 2 cores too (1 s cut one of them short there)
     with RolloutController(A.async_tool_agent, store=sq, backend=RayBackend(num_workers=2), concurrency=4,
-                           timeout_s=5.0) as c:
+                           timeout_s=timeout) as c:
         results = c.run(tasks, n=3)
     by_task: dict[str, list[Any]] = {}
     for r in results:
