@@ -1,5 +1,6 @@
 """A Ray driver in its own process for test_controller_ray_cluster.py: joins the cluster at argv[1],
-runs the async tool agent (one task sleeps past the 2 s timeout), prints the results as JSON. Its own
+runs the async tool agent (one task sleeps four times past the rollout timeout, argv[4]: 2 s on a
+quiet machine, scaled by the test with the measured slowness), prints the results as JSON. Its own
 process, so the Ray state of other tests in the session (a local runtime's auth mode) cannot leak in."""
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from tests.controller import controller_agents as A
 
 def main() -> None:
     address, store_url, base_url = sys.argv[1:4]
+    timeout = float(sys.argv[4])
     import ray
 
     store = TraceStore(store_url)
     tasks = [{"task_id": f"t{i}", "question": f"q {i}", "base_url": base_url, "store": store_url,
-              "sleep": 20 if i == 2 else 0.05} for i in range(3)]
+              "sleep": 4 * timeout if i == 2 else 0.05} for i in range(3)]
     with RolloutController(A.async_tool_agent, store=store, backend=RayBackend(address, num_workers=2),
-                           concurrency=4, timeout_s=2.0) as c:
+                           concurrency=4, timeout_s=timeout) as c:
         results = c.run(tasks, n=2)
         nodes = [n["Alive"] for n in ray.nodes()]
         pids = c.backend.worker_pids()  # type: ignore[attr-defined]

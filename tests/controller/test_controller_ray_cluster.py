@@ -84,10 +84,12 @@ def sq(tmp_path: Path) -> Iterator[TraceStore]:
     s.close()
 
 
-def test_rollouts_run_on_an_existing_ray_cluster(ray_head: str, llm_server: LLMTestServer, sq: TraceStore) -> None:
+def test_rollouts_run_on_an_existing_ray_cluster(ray_head: str, llm_server: LLMTestServer, sq: TraceStore,
+                                                slowness: float) -> None:
     url = sq.url.render_as_string(hide_password=False)
     proc = subprocess.run([sys.executable, "-m", "tests.controller.ray_cluster_driver", ray_head, url,
-                           llm_server.base_url], cwd=ROOT, env=_ray_env(), capture_output=True, text=True, timeout=300)
+                           llm_server.base_url, str(2.0 * slowness)], cwd=ROOT, env=_ray_env(), capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     results = out["results"]
