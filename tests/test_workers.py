@@ -47,6 +47,27 @@ def test_server_b(vllm_server):
     _record("b")
 '''
 
+# A module whose tests share a module-scoped fixture (each worker running one of them would build it).
+MODULE_SCOPED = '''
+import json, os
+from pathlib import Path
+
+import pytest
+
+OUT = Path(__file__).parent / "ran.jsonl"
+
+
+@pytest.fixture(scope="module")
+def built():
+    return "once"
+
+
+@pytest.mark.parametrize("i", range(3))
+def test_uses_it(built, i):
+    with OUT.open("a") as f:
+        f.write(json.dumps({"test": f"m{i}", "worker": os.environ.get("PYTEST_XDIST_WORKER")}) + "\\n")
+'''
+
 # What pytest 9.2 does to xdist's group suffix (the id is kept elsewhere), planted after xdist.
 LOSES_THE_GROUP = '''
 import pytest
@@ -92,11 +113,13 @@ def _pytest(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_tests_sharing_a_server_run_on_one_worker(tmp_path: Path) -> None:
     (tmp_path / "test_grouped.py").write_text(GROUPED)
+    (tmp_path / "test_module_scoped.py").write_text(MODULE_SCOPED)
     run = _pytest(tmp_path, "-p", "tests.workers", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     ran = {r["test"]: r["worker"] for r in map(json.loads, (tmp_path / "ran.jsonl").read_text().splitlines())}
-    assert len(ran) == 12 and ran["a"] is not None
+    assert len(ran) == 15 and ran["a"] is not None
     assert ran["a"] == ran["b"], ran
+    assert ran["m0"] == ran["m1"] == ran["m2"], ran
     assert len(set(ran.values())) == 2, ran  # both workers ran tests: the check above is not vacuous
 
 

@@ -12,9 +12,10 @@ session of its own, so a session fixture (a server) starts once per worker that 
 asking for it. Kept on one worker, each group in GROUPS: the tests that share the tiny model's vLLM
 server (it starts once), those of Ray's local runtime (two workers would start it on one port),
 and the demos, one after another (each keeps both cores busy with its own vLLM server and
-trainer). The demos come first in the collection, and without xdist's reordering of groups by size
-their group is the first work unit handed out: it is the suite's longest, so it starts at once and
-the other worker takes the rest.
+trainer); and the tests of a module that share a module-scoped fixture (group_of). The demos
+come first in the collection, and without xdist's reordering of groups by size their group is the
+first work unit handed out: it is the suite's longest, so it starts at once and the other worker
+takes the rest.
 
 `--dist loadgroup` groups by a suffix xdist appends to each grouped test's id (`NODEID@group`).
 With pytest 9.2 and pytest-xdist 3.8 that suffix is lost (xdist writes `item._nodeid`, pytest 9.2
@@ -36,9 +37,24 @@ DEMOS = ("tests/demo/test_smol_demo.py::test_short_smol_demo_learns",
 QUICK = "not vllm and not demo and not browser"
 GROUPS: tuple[tuple[str, Callable[[pytest.Item], bool]], ...] = (
     ("demo", lambda item: item.get_closest_marker("demo") is not None),
-    ("vllm", lambda item: "vllm_server" in item.fixturenames),
+    ("vllm", lambda item: "vllm_server" in getattr(item, "fixturenames", ())),
     ("ray", lambda item: item.nodeid.startswith("tests/controller/test_controller_ray")),
 )
+
+
+def _module_scoped(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
+
+
+def group_of(item: pytest.Item) -> str | None:
+    """The worker group a test runs in, if any: one of GROUPS, else its module's where it asks for a
+    module-scoped fixture (one runs once per worker that runs the module's tests: a LoRA vLLM server,
+    a verl subprocess of ~15 s of CPU, a gateway)."""
+    for group, wants in GROUPS:
+        if wants(item):
+            return group
+    return item.nodeid.partition("::")[0] if _module_scoped(item) else None
 
 
 def _base(nodeid: str) -> str:
@@ -50,12 +66,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _base(item.nodeid) in DEMOS:
             item.add_marker(pytest.mark.demo)
-        if "vllm_python" in item.fixturenames and item.get_closest_marker("vllm") is None:
+        if "vllm_python" in getattr(item, "fixturenames", ()) and item.get_closest_marker("vllm") is None:
             item.add_marker(pytest.mark.vllm)
-        for group, wants in GROUPS:
-            if wants(item):
-                item.add_marker(pytest.mark.xdist_group(group))
-                break
+        if (group := group_of(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     rank = {nodeid: i for i, nodeid in enumerate(DEMOS)}
     items.sort(key=lambda item: rank.get(_base(item.nodeid), len(rank)))  # stable: the rest keep their order
 
