@@ -9,6 +9,7 @@ completion token IDs and logprobs, in order, in the right rollout.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -40,8 +41,10 @@ def _check(server, calls: list[LLMCall], first_reply: str) -> None:
 
 
 @pytest.fixture
-def store(tmp_path) -> TraceStore:
-    return TraceStore(f"sqlite:///{tmp_path / 'vllm.db'}")
+def store(tmp_path) -> Iterator[TraceStore]:
+    s = TraceStore(f"sqlite:///{tmp_path / 'vllm.db'}")
+    yield s
+    s.close()  # its writer threads end with the test
 
 
 @pytest.fixture
