@@ -16,7 +16,7 @@ Under pytest-xdist each worker checks itself and sends what it found to the cont
 the run (a worker's own exit status is not the run's).
 
 The other daemon threads of ours (a store's writer and WAL checkpointer: stores the tests never
-closed) are listed, not failed: 20-odd tests leave one today, a follow-up to close them.
+closed) are listed, not failed: a follow-up to close them (docs/benchmarks.md counts them).
 """
 
 from __future__ import annotations

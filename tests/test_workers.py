@@ -49,12 +49,8 @@ def test_server_b(vllm_server):
 
 # A module whose tests share a module-scoped fixture (each worker running one of them would build it).
 MODULE_SCOPED = '''
-import json, os
-from pathlib import Path
-
 import pytest
-
-OUT = Path(__file__).parent / "ran.jsonl"
+from test_grouped import _record
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +60,7 @@ def built():
 
 @pytest.mark.parametrize("i", range(3))
 def test_uses_it(built, i):
-    with OUT.open("a") as f:
-        f.write(json.dumps({"test": f"m{i}", "worker": os.environ.get("PYTEST_XDIST_WORKER")}) + "\\n")
+    _record(f"m{i}")
 '''
 
 # What pytest 9.2 does to xdist's group suffix (the id is kept elsewhere), planted after xdist.

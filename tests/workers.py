@@ -57,21 +57,17 @@ def group_of(item: pytest.Item) -> str | None:
     return item.nodeid.partition("::")[0] if _module_scoped(item) else None
 
 
-def _base(nodeid: str) -> str:
-    return nodeid.rpartition("@")[0] if "@" in nodeid.rpartition("]")[2] else nodeid
-
-
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which turns the group markers into id suffixes
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if _base(item.nodeid) in DEMOS:
+        if item.nodeid in DEMOS:  # no `@group` suffix yet: this runs before xdist's hook
             item.add_marker(pytest.mark.demo)
-        if "vllm_python" in getattr(item, "fixturenames", ()) and item.get_closest_marker("vllm") is None:
+        if "vllm_python" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.vllm)
         if (group := group_of(item)) is not None:
             item.add_marker(pytest.mark.xdist_group(group))
     rank = {nodeid: i for i, nodeid in enumerate(DEMOS)}
-    items.sort(key=lambda item: rank.get(_base(item.nodeid), len(rank)))  # stable: the rest keep their order
+    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))  # stable: the rest keep their order
 
 
 def ungrouped(items: list[pytest.Item]) -> list[str]:

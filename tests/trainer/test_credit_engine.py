@@ -218,24 +218,24 @@ TASKS = {"a": [(1.0, 0.5), (0.0, None), (1.0, -0.5), (0.0, 0.25)],
 
 
 @pytest.fixture
-def sqlite_store(tmp_path: Path) -> Iterator[Callable[[str], TraceStore]]:
+def open_store(tmp_path: Path) -> Iterator[Callable[[str], TraceStore]]:
     """SQLite stores by name under tmp_path, closed after the test (their writer threads end with it)."""
     opened: list[TraceStore] = []
 
-    def open_store(name: str) -> TraceStore:
+    def open_one(name: str) -> TraceStore:
         opened.append(TraceStore(f"sqlite:///{tmp_path / name}.db"))
         return opened[-1]
 
-    yield open_store
+    yield open_one
     for store in opened:
         store.close()
 
 
 def test_daemon_trains_per_turn_from_the_stores_step_rewards(llm_server, model_dir, bytes_model, tmp_path,
-                                                             sqlite_store):
+                                                             open_store):
     runs = {}
     for credit in ("rollout", "per-turn"):
-        store = sqlite_store(credit)
+        store = open_store(credit)
         _rollouts(llm_server, store, TASKS)
         with _daemon(store, bytes_model, tmp_path / f"ckpt-{credit}", credit=credit) as daemon:
             runs[credit] = (daemon.step_once(), store)
@@ -253,10 +253,10 @@ def test_daemon_trains_per_turn_from_the_stores_step_rewards(llm_server, model_d
 
 
 def test_daemon_per_turn_without_step_rewards_takes_the_rollout_level_step(llm_server, bytes_model, tmp_path,
-                                                                          sqlite_store):
+                                                                          open_store):
     results = {}
     for credit in ("rollout", "per-turn"):
-        store = sqlite_store(credit)
+        store = open_store(credit)
         _rollouts(llm_server, store, {"a": [(1.0, None), (0.0, None)] * 2, "b": [(0.0, None), (1.0, None)] * 2})
         with _daemon(store, bytes_model, tmp_path / f"ckpt-{credit}", credit=credit) as daemon:
             results[credit] = daemon.step_once()
@@ -273,13 +273,13 @@ def test_the_daemon_refuses_per_turn_dpo(tmp_path):
         TrainerConfig(checkpoint_dir=str(tmp_path), algorithm="dpo", credit="per-turn")
 
 
-def test_ppo_per_turn_from_the_settings_through_the_daemon(llm_server, bytes_model, tmp_path, sqlite_store):
+def test_ppo_per_turn_from_the_settings_through_the_daemon(llm_server, bytes_model, tmp_path, open_store):
     """The same rollouts with and without per-step rewards: PPO's returns (its value loss) move with them."""
     from trainer_backend.daemon.settings import TrainerSettings
 
     results = {}
     for name, first_step in (("with", 1.0), ("without", None)):
-        store = sqlite_store(name)
+        store = open_store(name)
         _rollouts(llm_server, store, {t: [(1.0, first_step), (0.0, None), (1.0, first_step), (0.0, None)]
                                       for t in ("a", "b")})
         s = TrainerSettings.load(None, {"algorithm.name": "ppo", "algorithm.credit": "per-turn", "critic.lr": 1e-3,
@@ -296,13 +296,13 @@ def test_ppo_per_turn_from_the_settings_through_the_daemon(llm_server, bytes_mod
     assert with_steps.metrics["vf_loss"] != pytest.approx(without.metrics["vf_loss"], rel=1e-3)
 
 
-def test_late_per_step_rewards_are_waited_for_and_used(llm_server, bytes_model, tmp_path, sqlite_store):
+def test_late_per_step_rewards_are_waited_for_and_used(llm_server, bytes_model, tmp_path, open_store):
     """A judge scores each turn after the rollouts ended: `[rewards] wait_for` holds the groups
     until its per-step rewards are in, then per-turn credit trains on them."""
     from lightning_middleware import Reward
     from trainer_backend.daemon.reward_gate import RewardPolicy
 
-    store = sqlite_store("late")
+    store = open_store("late")
     _rollouts(llm_server, store, {"a": [(1.0, None), (0.0, None)] * 2, "b": [(0.0, None)] * 4})
     with _daemon(store, bytes_model, tmp_path / "ckpt", credit="per-turn",
                  rewards=RewardPolicy(wait_for={"judge": 600})) as daemon:
