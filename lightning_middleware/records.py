@@ -130,6 +130,7 @@ class LLMCall:
     extra_choices: tuple[Choice, ...] = ()
     source_format: str | None = None  # "responses" | "anthropic.messages"; None: the caller spoke chat
     source_request: dict[str, Any] | None = None
+    idempotency_key: str | None = None  # the caller's Idempotency-Key header (the gateway's calls)
 
     @property
     def has_token_ids(self) -> bool:

@@ -3,7 +3,8 @@
 - nothing under `lightning_middleware/` imports `trainer_backend`, not even lazily in a function;
 - no import cycles between the modules of the three packages;
 - no `from our_module import _private` anywhere (packages, tests, benchmarks);
-- no source module over 450 lines, and every sub-package says what lives in it.
+- no source module over 1,000 lines (size follows role: a cohesive module that reads top to bottom
+  may be long; this catches a module that has become two), and every sub-package says what lives in it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("lightning_middleware", "adapters", "trainer_backend")
-MAX_LINES = 450
+MAX_LINES = 1000
 
 
 def _module_name(path: Path) -> str:

@@ -156,6 +156,7 @@ class PendingCall:
     payload: dict[str, Any]  # ... parsed
     added: frozenset[str]  # fields we added to the request (removed again from what the caller gets)
     source: Source | None = None  # the caller's own request, when `payload` is its translation
+    idempotency_key: str | None = None  # kept with the record: a later retry is answered from it
     # The record's id, known before the answer: a translated answer carries it (`resp_<id>`).
     call_id: str = field(default_factory=new_id)
     started_at: float = field(default_factory=time.time)
@@ -231,7 +232,7 @@ class DeferredCall:
                        request=scrub_secrets(p.payload)[0], status_code=self.status_code,
                        stream="text/event-stream" in self.content_type, error=error, latency_s=self.latency_s,
                        started_at=p.started_at, policy_version=self.policy_version,
-                       request_hash=hashlib.sha256(p.body).hexdigest())
+                       request_hash=hashlib.sha256(p.body).hexdigest(), idempotency_key=p.idempotency_key)
 
     def _build(self) -> LLMCall:
         p = self.pending
@@ -278,6 +279,7 @@ class DeferredCall:
             extra_choices=tuple(a.extra_choices),
             source_format=None if p.source is None else p.source.format,
             source_request=None if p.source is None else scrub_secrets(p.source.request)[0],
+            idempotency_key=p.idempotency_key,
         )
 
 
@@ -323,7 +325,8 @@ def attempt_of(headers: Any) -> int:
 
 def begin_call(settings: CaptureSettings, endpoint: str, payload: dict[str, Any], body: bytes,
                state: RolloutState | None, host: str, *, agent_name: str | None = None,
-               attempt: int = 1, source: Source | None = None) -> tuple[PendingCall | None, bytes | None]:
+               attempt: int = 1, source: Source | None = None, idempotency_key: str | None = None
+               ) -> tuple[PendingCall | None, bytes | None]:
     """Start recording one call whose body is already parsed: (pending, body to send instead, or None).
 
     The recording transport enters here for every request it sees; the gateway, which
@@ -340,7 +343,7 @@ def begin_call(settings: CaptureSettings, endpoint: str, payload: dict[str, Any]
         settings=settings, endpoint=endpoint, state=state,
         call_index=state.next_call_index() if state is not None else settings._unattached_counter(),
         attempt=attempt, agent_name=agent_name, body=body, payload=payload, added=frozenset(additions),
-        source=source,
+        source=source, idempotency_key=idempotency_key,
     )
     if endpoint not in TRAINABLE_ENDPOINTS:
         _warn_once(endpoint, "%s calls sent untranslated are recorded but carry no token IDs: leave translation "

@@ -108,7 +108,7 @@ class Forwarder:
             try:  # every attempt is recorded; recording never fails the call
                 pending, new_body = begin_call(self.capture, endpoint, payload, raw, state, up.host,  # type: ignore[arg-type]
                                                agent_name=headers.get(AGENT_HEADER), attempt=attempt_of(headers),
-                                               source=source)
+                                               source=source, idempotency_key=headers.get("idempotency-key"))
             except Exception:
                 log.exception("capture failed before sending; forwarding unrecorded")
                 pending, new_body = None, None

@@ -7,6 +7,13 @@ rollout while the first copy is in flight, or within `retry_window_s` after it s
 answered from the first (a client's retry storm stays one call). An identical body that is not a
 retry is a new sample (self-consistency, a task retried at temperature > 0) and goes upstream. A
 failed call is never replayed: its retry goes upstream.
+
+The key is also kept with the call's record (`LLMCall.idempotency_key`): a retry that reaches a
+restarted gateway, or another replica on the same store, is answered from the record
+(`answer_from_record`) and records nothing, so it is never trained twice. Such an answer carries
+what the record holds: the message or text, tool calls, finish reason, usage and the token IDs,
+but not the logprob blocks (the record keeps their values alone). A retry sent before the first
+call's record was written (the store's writer batches every ~50 ms) can still reach the engine.
 """
 
 from __future__ import annotations
@@ -16,9 +23,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from lightning_middleware import fastjson
 from lightning_middleware.gateway.errors import HTTPError
-from lightning_middleware.gateway.responses import Headers
+from lightning_middleware.gateway.responses import JSON_HEADERS, Headers
+from lightning_middleware.records import LLMCall
 
 Key = tuple[str, ...]
 
@@ -132,3 +142,47 @@ class ReplayCache:
                 self._flights.popitem(last=False)
                 continue
             return
+
+
+SSE_HEADERS: Headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+def answer_from_record(call: LLMCall, *, stream: bool) -> tuple[Headers, bytes]:
+    """The engine's answer to a recorded call, rebuilt (headers, body): a whole body, or with
+    `stream` the same content as one event per choice, the usage, and `[DONE]`."""
+    response = dict(call.response or {})
+    ids = {c.index: c.completion_token_ids for c in call.choices}
+    choices = [dict(ch, token_ids=list(ids.get(ch.get("index", 0), ()))) if isinstance(ch, dict) else ch
+               for ch in response.get("choices") or []]
+    if not stream:
+        whole = {**response, "choices": choices}
+        if call.prompt_token_ids:
+            whole["prompt_token_ids"] = list(call.prompt_token_ids)
+        return JSON_HEADERS, fastjson.dumps(whole).encode()
+    head: dict[str, Any] = {k: response[k] for k in ("id", "model", "created", "system_fingerprint") if k in response}
+    chat = call.endpoint != "completions"
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    events: list[dict[str, Any]] = []
+    for n, ch in enumerate(choices):
+        if not isinstance(ch, dict):
+            continue
+        event: dict[str, Any] = {**head, "choices": [_stream_choice(ch, chat)]}
+        if n == 0 and call.prompt_token_ids:
+            event["prompt_token_ids"] = list(call.prompt_token_ids)
+        events.append(event)
+    if response.get("usage"):
+        events.append({**head, "choices": [], "usage": response["usage"]})
+    return SSE_HEADERS, b"".join(b"data: " + fastjson.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def _stream_choice(choice: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """One choice of a whole answer as a single stream delta."""
+    out = {"index": choice.get("index", 0), "finish_reason": choice.get("finish_reason"),
+           "token_ids": choice.get("token_ids", [])}
+    if not chat:
+        return {**out, "text": choice.get("text") or ""}
+    message = choice.get("message") or {}
+    delta = {k: v for k, v in message.items() if k != "tool_calls" and v is not None}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{**tc, "index": i} for i, tc in enumerate(message["tool_calls"])]
+    return {**out, "delta": delta}

@@ -24,7 +24,8 @@ HTTP surface (see docs/gateway.md):
   `GET /health` (no auth). Without a token: loopback clients only (`auth.check_client`).
 
 Training safety: an `Idempotency-Key` request header replays the stored response
-(one upstream call, one training call), and identical bodies resent within a
+(one upstream call, one training call; after a restart, or at another replica on the same store,
+from the call's record, which keeps the key), and identical bodies resent within a
 rollout while the first is in flight or within `retry_window_s` after it
 succeeded are answered from the first (a client's retry storm stays one call). A reward POST
 with an `Idempotency-Key` is stored once (`reward_keys`); a rollout may carry its own
@@ -56,12 +57,12 @@ from lightning_middleware.gateway.admission import PAUSE_MODES, PauseGate
 from lightning_middleware.gateway.app import GatewayApp
 from lightning_middleware.gateway.auth import TOKEN_ENV, check_bearer, check_client, checked_token, is_loopback
 from lightning_middleware.gateway.errors import GatewayConfigError, HTTPError, error_reply, upstream_error
-from lightning_middleware.gateway.forwarding import Forwarder, Upstreamed
+from lightning_middleware.gateway.forwarding import POLICY_HEADER, Forwarder, Upstreamed
 from lightning_middleware.gateway.registry import RolloutEntry, RolloutRegistry
-from lightning_middleware.gateway.replay import Cached, Flight, ReplayCache, is_retry
+from lightning_middleware.gateway.replay import Cached, Flight, ReplayCache, answer_from_record, is_retry
 from lightning_middleware.gateway.requests import Receive, parse_object, receive_body
 from lightning_middleware.gateway.responses import Full, Scope, Send, StreamResponse, bind_socket
-from lightning_middleware.gateway.reward_keys import RewardKeys
+from lightning_middleware.gateway.reward_keys import MAX_KEY_CHARS, RewardKeys
 from lightning_middleware.gateway.translation import TranslatedCall, in_format, translate_call
 from lightning_middleware.gateway.upstreams import Upstream, UpstreamPool
 from lightning_middleware.records import new_id
@@ -341,6 +342,15 @@ class Gateway:
             if isinstance(claimed, Cached):
                 return Full(claimed.status, claimed.headers + [(REPLAY_HEADER.encode(), b"1")], claimed.body)
             flight = claimed
+            if key[0] == "idem":  # not in memory: a record the store keeps under this key answers it
+                try:
+                    kept = await self._recorded_answer(key[2], rollout_id, raw, translated, stream)
+                except BaseException:
+                    self.replay.land(key, flight, None)
+                    raise
+                if kept is not None:
+                    self.replay.land(key, flight, kept)
+                    return Full(kept.status, kept.headers + [(REPLAY_HEADER.encode(), b"1")], kept.body)
 
         ok_result: Cached | None = None
         admitted = False
@@ -411,6 +421,31 @@ class Gateway:
                 if flight is not None and key is not None:
                     self.replay.land(key, flight, ok_result)
 
+
+    async def _recorded_answer(self, idem: str, rollout_id: str | None, raw: bytes,
+                               translated: TranslatedCall | None, stream: bool) -> Cached | None:
+        """The answer to a call the store holds under this Idempotency-Key (sent to an earlier
+        gateway process, or to another replica on this store), or None: send it upstream."""
+        if not idem.strip() or len(idem) > MAX_KEY_CHARS:
+            raise HTTPError(400, f"an Idempotency-Key is 1 to {MAX_KEY_CHARS} visible characters",
+                            code="bad_idempotency_key", param="Idempotency-Key")
+        try:
+            found = await asyncio.to_thread(self.store.keyed_call, rollout_id, idem)
+        except Exception as exc:  # noqa: BLE001 - a store that is down must not fail the call
+            log.warning("could not look up Idempotency-Key %r in the store (%s); sending the call upstream",
+                        idem, exc)
+            return None
+        if found is None:
+            return None
+        sent = translated.body if translated is not None else raw
+        if found.request_hash != hashlib.sha256(sent).hexdigest():
+            raise HTTPError(409, "Idempotency-Key reused with a different request body", code="idempotency_conflict")
+        headers, body = answer_from_record(found, stream=stream)
+        if translated is not None:
+            body = translated.events(body, found.id) if stream else translated.answer(200, body, found.id)
+        if found.policy_version is not None:
+            headers = [*headers, (POLICY_HEADER.encode(), str(found.policy_version).encode())]
+        return Cached(found.status_code or 200, headers, body)
 
     async def _forward(self, pairs: list[tuple[str, str]], headers: dict[str, str], path: str, raw: bytes,
                        payload: dict[str, Any], rollout_id: str | None, entry: RolloutEntry | None,

@@ -44,6 +44,11 @@ class TranslatedCall:
         own chunks are kept in `raw` (the record is built from what the engine sent)."""
         return _translated(chunks, self.fmt.stream_rewriter(self.request, call_id), raw)
 
+    def events(self, sse: bytes, call_id: str) -> bytes:
+        """A whole upstream chat stream (a replayed record's) as the caller's events."""
+        rewriter = self.fmt.stream_rewriter(self.request, call_id)
+        return (rewriter.feed(sse) or b"") + (rewriter.finish() or b"")
+
 
 async def _translated(chunks: AsyncIterator[bytes], rewriter: Any, raw: list[bytes]) -> AsyncIterator[bytes]:
     async for chunk in chunks:

@@ -147,13 +147,14 @@ def call_tuple(call: LLMCall) -> tuple[Any, ...]:
         pack_floats(call.logprobs), fit_text(call.finish_reason, _LIMITS["finish_reason"]), call.status_code,
         bool(call.stream), bool(call.partial), bool(call.is_training), fit_text(call.error),
         call.latency_s, call.started_at, call.policy_version, call.request_hash,
+        fit_text(call.idempotency_key, _LIMITS["idempotency_key"]),
     )
 
 
 _CALL_ORDER = ("id", "rollout_id", "call_index", "attempt", "endpoint", "model", "agent_name", "request",
                "response", "prompt_token_ids", "completion_token_ids", "logprobs", "finish_reason", "status_code",
                "stream", "partial", "is_training", "error", "latency_s", "started_at", "policy_version",
-               "request_hash")
+               "request_hash", "idempotency_key")
 if _CALL_ORDER != CALL_COLUMNS:  # a column added to the schema needs its place in call_tuple
     raise RuntimeError(f"call_tuple's columns {_CALL_ORDER} are not the schema's {CALL_COLUMNS}")
 
@@ -188,6 +189,7 @@ def call_record(row: sa.Row) -> LLMCall:
         extra_choices=extras,
         source_format=source_format,
         source_request=source_request,
+        idempotency_key=m["idempotency_key"],
     )
 
 

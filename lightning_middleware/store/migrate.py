@@ -2,7 +2,8 @@
 
 Only additive steps: the tables a version added come from `create_all`; the nullable columns it
 added (`schema.ADDED_COLUMNS`) are added here with `ALTER TABLE ... ADD COLUMN`, which on both
-engines changes the table's definition without rewriting its rows. Two processes opening the same
+engines changes the table's definition without rewriting its rows, and its indexes
+(`schema.ADDED_INDEXES`) with `CREATE INDEX`. Two processes opening the same
 old store at once both try: the loser's "column exists" is taken as done.
 """
 
@@ -32,6 +33,8 @@ def upgrade(engine: sa.Engine, found: int) -> None:
     for version in range(found + 1, S.SCHEMA_VERSION + 1):
         for table, column in S.ADDED_COLUMNS.get(version, ()):
             _add_column(engine, S.metadata.tables[table].c[column])
+        for name in S.ADDED_INDEXES.get(version, ()):
+            _add_index(engine, name)
     with engine.begin() as conn:
         conn.execute(sa.update(S.schema_info).where(S.schema_info.c.key == "version",
                                                     S.schema_info.c.value == str(found))
@@ -59,4 +62,18 @@ def _add_column(engine: sa.Engine, column: sa.Column) -> None:
             return
         reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
         raise StoreError(f"cannot upgrade the store's table {table} (add column {column.name}): {reason}; "
+                         "open it once with a user allowed to ALTER it") from exc
+
+
+def _add_index(engine: sa.Engine, name: str) -> None:
+    index = next(i for t in S.metadata.tables.values() for i in t.indexes if i.name == name)
+    try:
+        index.create(engine, checkfirst=True)
+    except sa_exc.DBAPIError as exc:
+        table = index.table
+        assert table is not None
+        if name in {i["name"] for i in sa.inspect(engine).get_indexes(table.name)}:  # another process made it
+            return
+        reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
+        raise StoreError(f"cannot upgrade the store's table {table.name} (create index {name}): {reason}; "
                          "open it once with a user allowed to ALTER it") from exc

@@ -71,6 +71,18 @@ class StoreQueries:
             row = conn.execute(sa.select(S.llm_calls).where(S.llm_calls.c.id == call_id)).first()
         return None if row is None else M.call_record(row)
 
+    def keyed_call(self, rollout_id: str | None, key: str) -> LLMCall | None:
+        """The first answered attempt of a call sent with this Idempotency-Key in this rollout
+        (None: unattached calls), or None: a complete 2xx answer; a failed or cut attempt is
+        never replayed, its retry goes upstream."""
+        c = S.llm_calls.c
+        where = [c.idempotency_key == key, c.status_code >= 200, c.status_code < 300, c.partial.is_(False),
+                 c.error.is_(None), c.rollout_id.is_(None) if rollout_id is None else c.rollout_id == rollout_id]
+        q = sa.select(S.llm_calls).where(*where).order_by(c.started_at).limit(1)
+        with self.engine.connect() as conn:
+            row = conn.execute(q).first()
+        return None if row is None else M.call_record(row)
+
     def calls(self, rollout_id: str | None, *, training_only: bool = False) -> list[LLMCall]:
         """The LLM calls of one rollout in call order (attempts in order). None: unattached calls."""
         return self.calls_for([rollout_id], training_only=training_only).get(rollout_id, [])

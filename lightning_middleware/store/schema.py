@@ -17,12 +17,18 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # (table, column) added by each version after 1; the columns are nullable, so adding one to a
 # full table rewrites no row and older readers' queries (which name their columns) still work.
 ADDED_COLUMNS: dict[int, tuple[tuple[str, str], ...]] = {
     2: (("rewards", "call_index"), ("rewards", "config_hash"), ("rewards", "agent")),
+    3: (("llm_calls", "idempotency_key"),),
+}
+# Indexes added by each version on tables an older store already has (`create_all` creates a
+# missing table's indexes, never a missing index of an existing table).
+ADDED_INDEXES: dict[int, tuple[str, ...]] = {
+    3: ("ix_llm_calls_idempotency",),
 }
 
 metadata = sa.MetaData()
@@ -71,7 +77,11 @@ llm_calls = sa.Table(
     sa.Column("started_at", sa.Float, nullable=False),
     sa.Column("policy_version", sa.Integer, nullable=True),
     sa.Column("request_hash", sa.String(64), nullable=True),
+    # Version 3: the caller's `Idempotency-Key`, so that a retry reaching a restarted gateway, or
+    # another replica on the same store, is answered from this record instead of sampled again.
+    sa.Column("idempotency_key", sa.String(255), nullable=True),
     sa.Index("ix_llm_calls_rollout", "rollout_id", "call_index"),
+    sa.Index("ix_llm_calls_idempotency", "idempotency_key"),
 )
 
 rewards = sa.Table(
