@@ -31,6 +31,45 @@ class Assembled:
     complete: bool = False
     error: str | None = None
     extra_choices: list[Choice] = field(default_factory=list)  # choices 1.. of the same prompt, by index
+    # Choice 0's text exactly as sampled (a chat answer's logprob tokens joined), before the server's
+    # tool-call parser took it apart; None without logprobs. See `capture.history`.
+    sampled_text: str | None = None
+
+
+def _token_bytes(choice: dict[str, Any]) -> list[bytes] | None:
+    """The bytes of each sampled token of a chat choice (its logprob entries), or None."""
+    lp = choice.get("logprobs")
+    content = lp.get("content") if isinstance(lp, dict) else None
+    if not isinstance(content, list):
+        return None
+    out = []
+    for entry in content:
+        raw = entry.get("bytes") if isinstance(entry, dict) else None
+        if isinstance(raw, list) and all(isinstance(b, int) and 0 <= b < 256 for b in raw):
+            out.append(bytes(raw))
+        elif isinstance(entry, dict) and isinstance(entry.get("token"), str):
+            out.append(entry["token"].encode("utf-8"))
+        else:
+            return None
+    return out
+
+
+def _joined(pieces: list[bytes], n_ids: int, ended_by_eos: bool) -> str | None:
+    """The sampled text from one piece per token; vLLM counts the EOS token that ended an answer
+    (`stop_reason` null) among them, and it is no part of the text the template renders back."""
+    if len(pieces) != n_ids or not pieces:
+        return None
+    if ended_by_eos:
+        pieces = pieces[:-1]
+    try:
+        return b"".join(pieces).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _ended_by_eos(choice: dict[str, Any]) -> bool:
+    return "stop_reason" in choice and choice["stop_reason"] is None and choice.get("finish_reason") in (
+        "stop", "tool_calls")
 
 
 # --------------------------------------------------------------------------
@@ -146,6 +185,10 @@ def parse_body(raw: bytes, endpoint: str) -> Assembled:
     out.finish_reason = first.get("finish_reason")
     out.logprobs = _aligned(_safe_logprobs(first, endpoint), out.completion_token_ids)
     out.extra_choices = _extra_choices(choices, out.prompt_token_ids, endpoint)
+    if endpoint == "chat.completions" and out.completion_token_ids:
+        pieces = _token_bytes(first)
+        if pieces is not None:
+            out.sampled_text = _joined(pieces, len(out.completion_token_ids), _ended_by_eos(first))
     return out
 
 
@@ -168,6 +211,8 @@ class _StreamChoice:
         self.has_logprobs = False
         self.unreadable_logprobs = False
         self.finish: str | None = None
+        self.pieces: list[bytes] | None = [] if endpoint == "chat.completions" else None  # sampled, per token
+        self.ended_by_eos = False
 
     def feed(self, choice: dict[str, Any]) -> None:
         if choice.get("prompt_token_ids"):
@@ -183,8 +228,15 @@ class _StreamChoice:
         if lp is not None:
             self.has_logprobs = True
             self.logprobs.extend(lp)
+        if self.pieces is not None and choice.get("logprobs") is not None:
+            pieces = _token_bytes(choice)
+            if pieces is None:
+                self.pieces = None
+            else:
+                self.pieces.extend(pieces)
         if choice.get("finish_reason"):
             self.finish = choice["finish_reason"]
+            self.ended_by_eos = _ended_by_eos(choice)
         if self.endpoint == "completions":
             self.text.append(choice.get("text") or "")
             return
@@ -342,6 +394,8 @@ class StreamAssembler:
             complete=complete and not self._errors,
             error="; ".join(self._errors) or None,
             extra_choices=self._extra_choices(prompt_ids),
+            sampled_text=None if first.pieces is None or not first.has_logprobs
+            else _joined(first.pieces, len(first.token_ids), first.ended_by_eos),
         )
 
 

@@ -104,6 +104,8 @@ class CaptureSettings:
     # model the agent code wrote; other agents' calls go to `default_policy` (None: as written).
     policies: Mapping[str, str] = field(default_factory=dict)
     default_policy: str | None = None
+    # Send a rollout's earlier tool-calling turns back as the text the model sampled (capture/history.py).
+    exact_history: bool = False
     _unattached_counter: Any = field(default_factory=lambda: _Counter())
 
     def policy_for(self, agent: str | None, state: RolloutState | None = None) -> str | None:
@@ -193,8 +195,13 @@ class PendingCall:
             return
         self.done = True
         try:
-            self.store.submit_call(DeferredCall(self, status_code, chunks or [], headers, error,
-                                                 time.perf_counter() - self.t0))
+            deferred = DeferredCall(self, status_code, chunks or [], headers, error, time.perf_counter() - self.t0)
+            if self.settings.exact_history and self.state is not None and self.endpoint == "chat.completions" \
+                    and status_code is not None and 200 <= status_code < 300:
+                # Now, not on the writer thread: the rollout's next request may carry this turn back.
+                a = deferred.assembled()
+                self.state.sampled_turns.remember(a.response, a.sampled_text if a.complete and not a.error else None)
+            self.store.submit_call(deferred)
         except Exception:  # recording must not break the agent
             log.exception("could not record an LLM call")
 
@@ -212,6 +219,19 @@ class DeferredCall:
         self.policy_version = _policy_version_of(headers)
         self.error = error
         self.latency_s = latency_s
+        self._collector: BodyCollector | None = None
+        self._assembled: Assembled | None = None
+
+    def assembled(self) -> Assembled:
+        """The answer's bytes parsed (once)."""
+        if self._assembled is None:
+            p = self.pending
+            self._collector = BodyCollector(p.endpoint, "text/event-stream" in self.content_type,
+                                            self.content_encoding)
+            for chunk in self.chunks:
+                self._collector.feed(chunk)
+            self._assembled = self._collector.result() if self.status_code is not None else Assembled()
+        return self._assembled
 
     def build(self) -> LLMCall:
         """The record; never raises (this runs on the store's writer thread, where an exception
@@ -237,14 +257,12 @@ class DeferredCall:
     def _build(self) -> LLMCall:
         p = self.pending
         streaming = "text/event-stream" in self.content_type
-        collector = BodyCollector(p.endpoint, streaming, self.content_encoding)
-        for chunk in self.chunks:
-            collector.feed(chunk)
-        a = collector.result() if self.status_code is not None else Assembled()
+        a = self.assembled()
         ok = self.status_code is not None and 200 <= self.status_code < 300
         error = self.error
         if self.status_code is not None and not ok:
-            error = f"HTTP {self.status_code}" + ("" if streaming else f": {collector.raw_text(500)}")
+            raw = self._collector.raw_text(500) if self._collector is not None else ""
+            error = f"HTTP {self.status_code}" + ("" if streaming else f": {raw}")
         has_ids = bool(a.prompt_token_ids) and bool(a.completion_token_ids)
         trainable = p.endpoint in TRAINABLE_ENDPOINTS
         if ok and a.complete and not has_ids and trainable:
@@ -333,11 +351,17 @@ def begin_call(settings: CaptureSettings, endpoint: str, payload: dict[str, Any]
     has parsed and routed the request itself, enters here directly. None: not recorded.
     """
     served = settings.policy_for(agent_name, state)
-    rerouted = served is not None and payload.get("model") != served
-    if rerouted:
+    rewritten = served is not None and payload.get("model") != served
+    if rewritten:
         payload = {**payload, "model": served}
+    if settings.exact_history and state is not None and endpoint == "chat.completions" \
+            and isinstance(payload.get("messages"), list):
+        restored = state.sampled_turns.restore(payload["messages"])
+        if restored is not None:  # sent, and recorded, as the engine will see it
+            payload = {**payload, "messages": restored}
+            rewritten = True
     if state is None and not settings.record_unattached:
-        return None, fastjson.dumps(payload).encode() if rerouted else None
+        return None, fastjson.dumps(payload).encode() if rewritten else None
     additions = _additions(settings, endpoint, payload, state, host)
     pending = PendingCall(
         settings=settings, endpoint=endpoint, state=state,
@@ -348,7 +372,7 @@ def begin_call(settings: CaptureSettings, endpoint: str, payload: dict[str, Any]
     if endpoint not in TRAINABLE_ENDPOINTS:
         _warn_once(endpoint, "%s calls sent untranslated are recorded but carry no token IDs: leave translation "
                    "on (wrap(translate=None), the gateway's default) to train on them (docs/formats.md)", endpoint)
-    if rerouted:  # a new model: serialise once (a rare path; the common one splices bytes)
+    if rewritten:  # a new model or history: serialise once (a rare path; the common one splices bytes)
         return pending, fastjson.dumps({**payload, **additions}).encode()
     return pending, _splice(body, payload, additions) if additions else None
 
@@ -362,7 +386,10 @@ def _additions(settings: CaptureSettings, endpoint: str, payload: dict[str, Any]
     if "return_token_ids" not in payload:
         out["return_token_ids"] = True
     training = state is not None and state.mode == "train"
-    if settings.inject_logprobs and training and "logprobs" not in payload:
+    # exact_history reads a turn's sampled text from its logprobs: in every mode, so that an
+    # evaluation's agent sees the history it wrote, as in training.
+    wanted = training or (settings.exact_history and state is not None and endpoint == "chat.completions")
+    if settings.inject_logprobs and wanted and "logprobs" not in payload:
         # chat: a boolean; legacy completions: the number of top alternatives (0 = the chosen token only)
         out["logprobs"] = True if endpoint == "chat.completions" else 0
     return out

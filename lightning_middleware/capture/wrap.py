@@ -60,7 +60,7 @@ def _translate_setting(value: bool | None) -> bool | None:
 
 def wrap(client: T, *, store: TraceStore | str | None = None, record_unattached: bool | None = None,
          inject_token_ids: bool = True, translate: bool | None = None, policies: Mapping[str, str] | None = None,
-         default_policy: str | None = None) -> T:
+         default_policy: str | None = None, exact_history: bool | None = None) -> T:
     """Record every LLM call `client` makes; returns the same object, instrumented in place.
 
     `translate`: Responses API / Anthropic Messages requests are sent as chat completions (and
@@ -73,6 +73,11 @@ def wrap(client: T, *, store: TraceStore | str | None = None, record_unattached:
     Agents SDK agent names, LangGraph nodes) to the served model name of each agent's own policy
     (a LoRA adapter): a call of agent X is sent, and recorded, under X's policy whatever model
     the code wrote; `default_policy` takes the calls of every other agent (None: as written).
+
+    `exact_history`: send a rollout's earlier tool-calling turns back to the engine as the text
+    the model sampled, not as the framework's structured tool calls re-rendered by the chat
+    template, so that each turn's prompt continues the last one token for token (for ChatML /
+    hermes-style templates; `capture.history`). Off by default.
 
     Wrapping twice is harmless (the second call only updates the settings you pass).
     The store is opened here, so a bad store URL fails now, not inside an LLM call.
@@ -98,6 +103,8 @@ def wrap(client: T, *, store: TraceStore | str | None = None, record_unattached:
             policies=dict(policies) if policies is not None else previous.policies if previous is not None else {},
             default_policy=default_policy if default_policy is not None else
             previous.default_policy if previous is not None else None,
+            exact_history=exact_history if exact_history is not None else
+            previous.exact_history if previous is not None else False,
         )
         if previous is not None:
             settings.no_inject_hosts = previous.no_inject_hosts

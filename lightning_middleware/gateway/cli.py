@@ -50,6 +50,9 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--no-translate", action="store_true",
                    help="send /v1/responses and /v1/messages upstream as they are (replicas that speak those "
                         "formats; no token IDs) instead of as chat completions")
+    p.add_argument("--exact-history", action="store_true",
+                   help="send a rollout's earlier tool-calling turns upstream as the text the model sampled, "
+                        "not re-rendered by the chat template (ChatML/hermes-style templates; docs/gateway.md)")
     p.add_argument("--rewards", default=None, metavar="FILE",
                    help="a reward configuration (TOML/JSON) each rollout is scored under as it finishes")
     p.set_defaults(func=run_cli)
@@ -82,7 +85,8 @@ def run_cli(args: argparse.Namespace) -> int:
                      keep_alive_s=args.keep_alive,
                      policy_version=args.policy_version, record_unattached=not args.no_record_unattached,
                      translate=not args.no_translate, policies=_policies(args.policy),
-                     default_policy=args.default_policy, rewards=args.rewards)
+                     default_policy=args.default_policy, rewards=args.rewards,
+                     exact_history=args.exact_history)
     except (GatewayConfigError, ValueError) as exc:  # one line, as every command's bad input
         raise UsageError(str(exc)) from None
     try:

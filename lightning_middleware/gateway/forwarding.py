@@ -46,13 +46,15 @@ class Forwarder:
 
     def __init__(self, pool: UpstreamPool, store: TraceStore, *, upstream_api_key: str | None, token: str | None,
                  connect_timeout_s: float, upstream_timeout_s: float, record_unattached: bool,
-                 policies: dict[str, str] | None = None, default_policy: str | None = None) -> None:
+                 policies: dict[str, str] | None = None, default_policy: str | None = None,
+                 exact_history: bool = False) -> None:
         """`policies`: agent name (the `x-agent-name` header) -> its policy's served model name."""
         self.pool, self.store = pool, store
         self.upstream_api_key, self.token = upstream_api_key, token
         self.connect_timeout_s, self.upstream_timeout_s = connect_timeout_s, upstream_timeout_s
         self.record_unattached = record_unattached
         self.policies, self.default_policy = policies or {}, default_policy
+        self.exact_history = exact_history
         self.upstream_errors = 0
         self.session: aiohttp.ClientSession | None = None
         self.call_timeout: aiohttp.ClientTimeout | None = None
@@ -73,7 +75,8 @@ class Forwarder:
                                                   sock_read=self.upstream_timeout_s)
         # strip_added=False: gateway callers get the engine's token IDs and logprobs too.
         self.capture = CaptureSettings(store=self.store, record_unattached=self.record_unattached, strip_added=False,
-                                       policies=self.policies, default_policy=self.default_policy)
+                                       policies=self.policies, default_policy=self.default_policy,
+                                       exact_history=self.exact_history)
 
     async def close(self) -> None:
         if self.session is not None:

@@ -113,9 +113,11 @@ class Gateway:
         policies: Mapping[str, str] | None = None,
         default_policy: str | None = None,
         rewards: RewardConfig | Scorer | str | None = None,
+        exact_history: bool = False,
     ) -> None:
         """`rewards`: a reward configuration (or its TOML/JSON file) every rollout is scored under
-        as it finishes (docs/rewards.md)."""
+        as it finishes (docs/rewards.md). `exact_history`: a rollout's earlier tool-calling turns
+        go to the engine as the text the model sampled (`wrap(exact_history=)`, capture/history.py)."""
         if isinstance(upstreams, str):
             upstreams = [upstreams]
         if not upstreams:
@@ -158,7 +160,7 @@ class Gateway:
         self.forwarder = Forwarder(self.pool, self.store, upstream_api_key=upstream_api_key, token=token,
                                    connect_timeout_s=connect_timeout_s, upstream_timeout_s=upstream_timeout_s,
                                    record_unattached=record_unattached, policies=dict(policies or {}),
-                                   default_policy=default_policy)
+                                   default_policy=default_policy, exact_history=exact_history)
         self.calls = 0
         self._health_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

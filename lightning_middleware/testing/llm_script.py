@@ -11,6 +11,9 @@ predict every token:
   message, the reply calls the first tool (hermes `<tool_call>` text, parsed
   into `tool_calls`). With a model name containing `multi-tool` it calls every
   offered tool, one per turn, in order. Then it answers `echo: <last message>`.
+  With a model name containing `loose-format` it samples its calls with a "\n" before
+  `</tool_call>`, which the rendering of a structured call back leaves out (the format
+  drift of a policy that learned an unrewarded variant: capture/history.py).
 - Logprob of completion token i is `-(i % 7) / 10`.
 - `n` > 1: `n` distinct choices. Choice 0 is the answer above; choice k answers `echo k: ...`
   (a tool call gets `"variant": k` in its arguments), and its token i has logprob
@@ -93,7 +96,10 @@ def _reply(body: dict[str, Any], k: int = 0) -> tuple[str, dict[str, Any] | None
         args = json.dumps(query if k == 0 else {**query, "variant": k})
         call: dict[str, Any] = {"id": f"call_{hashlib.sha1(args.encode()).hexdigest()[:8]}", "type": "function",
                 "function": {"name": fn.get("name", "tool"), "arguments": args}}
-        return _tool_call_text(call["function"]["name"], args), call
+        text = _tool_call_text(call["function"]["name"], args)
+        if "loose-format" in str(body.get("model", "")):
+            text = text.replace("</tool_call>", "\n</tool_call>")
+        return text, call
     return f"{_echo(k)} {_last_text(messages)[:60]}", None
 
 

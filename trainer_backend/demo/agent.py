@@ -36,8 +36,11 @@ def make_agent(base_url: str, store: TraceStore, max_tokens: int = 48) -> Any:
     from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
     from langchain_openai import ChatOpenAI
 
+    # exact_history: the policy drifts from the template's form of a call (a double space, text
+    # after </tool_call>); its turns go back as sampled, so each rollout stays one row (docs/demo.md).
     llm = wrap(ChatOpenAI(model=SERVED_NAME, base_url=base_url, api_key="-", temperature=1.0,
-                          max_tokens=max_tokens, timeout=120, max_retries=2), store=store)  # the one line
+                          max_tokens=max_tokens, timeout=120, max_retries=2), store=store,
+               exact_history=True)  # the one line
     policy = llm.bind_tools([guess_tool()])
 
     async def agent(task: dict[str, Any]) -> dict[str, Any]:

@@ -84,7 +84,8 @@ def make_team_agent(base_url: str, store: TraceStore, policies: dict[str, str]) 
     from lightning_middleware import emit_reward
 
     llm = wrap(ChatOpenAI(model=SERVED_NAME, base_url=base_url, api_key="-", temperature=1.0, max_tokens=48,
-                          timeout=120, max_retries=2), store=store, policies=policies)  # the one line
+                          timeout=120, max_retries=2), store=store, policies=policies,
+               exact_history=True)  # the one line (exact_history: demo/agent.py)
     policy = llm.bind_tools([guess_tool()])
 
     async def play(state: _State, turns: int) -> dict[str, Any]:

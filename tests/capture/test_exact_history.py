@@ -1,0 +1,226 @@
+"""`wrap(..., exact_history=True)`: a rollout's earlier tool-calling turns go back to the engine as
+the text the model sampled, so the next prompt continues the last one token for token
+(capture/history.py). The drift it fixes is planted by the test LLM's `loose-format` model: it
+samples "\\n</tool_call>", and the rendering of the structured call back leaves the "\\n" out, as
+the guess demo's policy drifted the other way (docs/demo.md)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import httpx2
+import openai
+import pytest
+
+from lightning_middleware import TraceStore, rollout, wrap
+from lightning_middleware.capture.assembly import BodyCollector
+from lightning_middleware.capture.history import SampledTurns
+from lightning_middleware.gateway import Gateway
+from lightning_middleware.rows import build_rows
+from lightning_middleware.testing import TEST_BASE_URL, LLMTestServer, llm_http_client, render_chat, tokenize
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calc", "description": "math",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}]
+LOOSE = "policy-loose-format"
+
+
+def _client(store: TraceStore, exact: bool) -> openai.OpenAI:
+    return wrap(openai.OpenAI(base_url=TEST_BASE_URL, api_key="sk-test", http_client=llm_http_client(httpx2)),
+                store=store, exact_history=exact)
+
+
+def _tool_loop(client: openai.OpenAI, store: TraceStore, *, stream: bool = False, model: str = LOOSE,
+               mode: str = "train") -> str:
+    """Two turns as an agent writes them: the call comes back as a structured tool call."""
+    messages: list[dict] = [{"role": "user", "content": "what is 6*7?"}]
+    with rollout("t", store=store, mode=mode) as r:
+        for _ in range(2):
+            if stream:
+                text, calls = "", {}
+                for chunk in client.chat.completions.create(model=model, messages=messages, tools=TOOLS, stream=True):
+                    delta = chunk.choices[0].delta if chunk.choices else None
+                    text += (delta.content or "") if delta else ""
+                    for tc in (delta.tool_calls or []) if delta else []:
+                        slot = calls.setdefault(tc.index, {"id": "", "type": "function",
+                                                           "function": {"name": "", "arguments": ""}})
+                        slot["id"] = tc.id or slot["id"]
+                        slot["function"]["name"] += tc.function.name or ""
+                        slot["function"]["arguments"] += tc.function.arguments or ""
+                message = {"role": "assistant", "content": text or None, "tool_calls": list(calls.values()) or None}
+            else:
+                message = client.chat.completions.create(model=model, messages=messages, tools=TOOLS) \
+                    .choices[0].message.model_dump(exclude_none=True)
+            messages.append(message)
+            for call in message.get("tool_calls") or []:
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": "42"})
+        r.reward(1.0)
+    store.flush()
+    return r.id
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_the_sampled_turn_goes_back_as_sampled_and_the_rollout_is_one_row(store: TraceStore, stream: bool) -> None:
+    drifted = _tool_loop(_client(store, exact=False), store, stream=stream)
+    exact = _tool_loop(_client(store, exact=True), store, stream=stream)
+    # Without it: the second prompt renders the call canonically, so it does not continue the first.
+    first, second = store.calls(drifted)
+    assert first.response["choices"][0]["message"]["tool_calls"]
+    assert second.prompt_token_ids[:len(first.prompt_token_ids) + len(first.completion_token_ids)] \
+        != first.prompt_token_ids + first.completion_token_ids
+    rows, stats = build_rows(store.calls(drifted), rollout_id=drifted)
+    assert (len(rows), stats.prefix_breaks, stats.merges) == (2, 1, 0)
+    # With it: the engine saw the turn as sampled; one row, every sampled token trained as sampled.
+    first, second = store.calls(exact)
+    sampled = bytes(first.completion_token_ids).decode()
+    assert sampled.endswith('}}\n</tool_call>')
+    assert second.prompt_token_ids[:len(first.prompt_token_ids) + len(first.completion_token_ids)] \
+        == first.prompt_token_ids + first.completion_token_ids
+    assert second.request["messages"][1] == {"role": "assistant", "content": sampled}  # recorded as sent
+    assert second.request["messages"][2]["role"] == "tool"
+    rows, stats = build_rows(store.calls(exact), rollout_id=exact)
+    assert (len(rows), stats.prefix_breaks, stats.merges) == (1, 0, 1)
+    assert all(c.is_training for c in store.calls(exact))
+
+
+def test_an_evaluation_rollout_sees_its_own_history_too(store: TraceStore) -> None:
+    """Logprobs are asked for in every mode when exact_history is on (they carry the sampled text),
+    and the caller still gets none it did not ask for."""
+    client = _client(store, exact=True)
+    rid = _tool_loop(client, store, mode="val")
+    first, second = store.calls(rid)
+    assert second.prompt_token_ids[:len(first.prompt_token_ids) + len(first.completion_token_ids)] \
+        == first.prompt_token_ids + first.completion_token_ids
+    with rollout("t", store=store, mode="val"):
+        out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+    assert out.choices[0].logprobs is None
+    plain = _tool_loop(_client(store, exact=False), store, mode="val")  # without it: as before, no logprobs
+    assert all(c.logprobs is None for c in store.calls(plain))
+
+
+def test_a_canonical_turn_renders_the_same_either_way(store: TraceStore) -> None:
+    """Where the model sampled the template's own form, the restored turn is the same tokens."""
+    plain = _tool_loop(_client(store, exact=False), store, model="m")
+    exact = _tool_loop(_client(store, exact=True), store, model="m")
+    assert [c.prompt_token_ids for c in store.calls(plain)] == [c.prompt_token_ids for c in store.calls(exact)]
+    assert build_rows(store.calls(plain), rollout_id=plain)[1].merges == 1
+
+
+def test_through_langchain_and_the_http_server(llm_server: LLMTestServer, store: TraceStore) -> None:
+    """The guess demo's framework: ChatOpenAI with a bound tool sends AIMessage.tool_calls back."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool(description="math")
+    def calc(query: str) -> str:
+        return "42"
+
+    llm = wrap(ChatOpenAI(model=LOOSE, base_url=llm_server.base_url, api_key="-", max_retries=0), store=store,
+               exact_history=True).bind_tools([calc])
+    with rollout("t", store=store) as r:
+        messages: list = [HumanMessage("what is 6*7?")]
+        ai = llm.invoke(messages)
+        messages += [ai, ToolMessage("42", tool_call_id=ai.tool_calls[0]["id"])]
+        final = llm.invoke(messages)
+    store.flush()
+    assert final.content.startswith("echo:")
+    rows, stats = build_rows(store.calls(r.id), rollout_id=r.id)
+    assert (len(rows), stats.prefix_breaks, stats.merges) == (1, 0, 1)
+
+
+def test_through_the_gateway(llm_server: LLMTestServer, store: TraceStore) -> None:
+    """`Gateway(exact_history=True)` (`lightning-mw gateway --exact-history`): the same, for an
+    agent in another process that points its base URL at a rollout."""
+    with Gateway([llm_server.base_url], store, health_interval_s=0, exact_history=True) as gw:
+        rid = httpx.post(gw.url + "/rollouts", json={"task_id": "t"}).json()["id"]
+        client = openai.OpenAI(base_url=gw.rollout_base_url(rid), api_key="sk-test")
+        messages: list[dict] = [{"role": "user", "content": "what is 6*7?"}]
+        message = client.chat.completions.create(model=LOOSE, messages=messages, tools=TOOLS) \
+            .choices[0].message.model_dump(exclude_none=True)
+        messages += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "42"}]
+        client.chat.completions.create(model=LOOSE, messages=messages, tools=TOOLS)
+        httpx.post(gw.url + f"/rollouts/{rid}/finish", json={"reward": 1.0}).raise_for_status()
+    store.flush()
+    rows, stats = build_rows(store.calls(rid), rollout_id=rid)
+    assert (len(rows), stats.prefix_breaks, stats.merges) == (1, 0, 1)
+
+
+def test_turns_are_per_rollout_and_unattached_calls_are_left_alone(store: TraceStore) -> None:
+    client = _client(store, exact=True)
+    first = client.chat.completions.create(model=LOOSE, messages=[{"role": "user", "content": "q"}], tools=TOOLS)
+    message = first.choices[0].message.model_dump(exclude_none=True)
+    follow = [{"role": "user", "content": "q"}, message,
+              {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "42"}]
+    with rollout("t", store=store) as r:  # a turn it never saw: sent as the framework wrote it
+        client.chat.completions.create(model=LOOSE, messages=follow, tools=TOOLS)
+    store.flush()
+    [call] = store.calls(r.id)
+    assert call.request["messages"][1]["tool_calls"] and call.prompt_token_ids == tuple(tokenize(render_chat(follow)))
+
+
+# -- the sampled text, from the bytes of an answer -------------------------------------------
+
+def _chat_body(tokens: list[bytes], *, finish: str = "tool_calls", stop_reason: object = "absent",
+               lp: bool = True) -> bytes:
+    choice: dict = {"index": 0, "finish_reason": finish, "token_ids": list(range(len(tokens))),
+                    "message": {"role": "assistant", "content": None,
+                                "tool_calls": [{"id": "call_1", "type": "function",
+                                                "function": {"name": "f", "arguments": "{}"}}]}}
+    if stop_reason != "absent":
+        choice["stop_reason"] = stop_reason
+    if lp:
+        choice["logprobs"] = {"content": [{"token": t.decode("utf-8", "replace"), "logprob": -0.1, "bytes": list(t)}
+                                          for t in tokens]}
+    return json.dumps({"id": "x", "choices": [choice], "prompt_token_ids": [1, 2]}).encode()
+
+
+def _assembled(body: bytes, streaming: bool = False):
+    collector = BodyCollector("chat.completions", streaming, None)
+    collector.feed(body)
+    return collector.result()
+
+
+@pytest.mark.parametrize(("tokens", "stop_reason", "lp", "expected"), [
+    ([b"<tool_call>", b"{}", b"</tool_call>"], "absent", True, "<tool_call>{}</tool_call>"),
+    # vLLM counts the EOS that ended the answer among the tokens (stop_reason null): not text
+    ([b"<tool_call>", b"{}", b"</tool_call>", b"<|im_end|>"], None, True, "<tool_call>{}</tool_call>"),
+    ([b"ab", b"</tool_call>"], "</tool_call>", True, "ab</tool_call>"),  # a stop string: no EOS token
+    ([b"\xc3", b"\xa9"], "absent", True, "\u00e9"),  # one character over two tokens, joined as bytes
+    ([b"\xc3"], "absent", True, None),  # not UTF-8 as a whole: unknown, the turn goes back as written
+    ([b"a"], "absent", False, None),  # no logprobs: unknown
+])
+def test_sampled_text_of_a_whole_answer(tokens: list[bytes], stop_reason: object, lp: bool,
+                                        expected: str | None) -> None:
+    assert _assembled(_chat_body(tokens, stop_reason=stop_reason, lp=lp)).sampled_text == expected
+
+
+def test_sampled_text_needs_one_logprob_per_token() -> None:
+    body = json.loads(_chat_body([b"a", b"b"]))
+    body["choices"][0]["token_ids"] = [1, 2, 3]
+    assert _assembled(json.dumps(body).encode()).sampled_text is None
+
+
+def test_sampled_text_of_a_stream() -> None:
+    def event(delta: dict, tokens: list[bytes], finish: str | None = None, **extra: object) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "token_ids": list(range(len(tokens))),
+                  "logprobs": {"content": [{"token": "?", "logprob": -0.1, "bytes": list(t)} for t in tokens]},
+                  **extra}
+        return b"data: " + json.dumps({"id": "x", "choices": [choice]}).encode() + b"\n\n"
+
+    sse = (event({"role": "assistant"}, [b"<tool_call>", b"{}"])
+           + event({"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "f", "arguments": "{}"}}]},
+                   [b"\n</tool_call>", b"<|im_end|>"], "tool_calls", stop_reason=None)
+           + b"data: [DONE]\n\n")
+    a = _assembled(sse, streaming=True)
+    assert a.sampled_text == "<tool_call>{}\n</tool_call>"
+    turns = SampledTurns()
+    turns.remember(a.response, a.sampled_text)
+    back = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "r"}]
+    assert turns.restore(back) == [back[0], {"role": "assistant", "content": "<tool_call>{}\n</tool_call>"}, back[2]]
+    assert turns.restore(back[:1]) is None  # nothing to restore: the request goes as written
+    other = [{"role": "assistant", "tool_calls": [{"id": "call_2", "function": {"name": "f", "arguments": "{}"}}]}]
+    assert turns.restore(other) is None
