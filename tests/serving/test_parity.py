@@ -4,6 +4,7 @@ which the trainer refuses."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -19,9 +20,11 @@ from trainer_backend.daemon.monitoring import HealthChecks, HealthConfig
 from trainer_backend.models import CHAT_TEMPLATE
 from trainer_backend.serving.parity import (
     ALLOW_FLAG,
+    IDENTITY_KEYS,
     PROBES,
     TemplateMismatch,
     TemplateParity,
+    model_identity,
     normalise_messages,
     render_request,
 )
@@ -132,6 +135,35 @@ def test_the_served_model_matches_the_trainer(vllm_server: VLLMServer, tied_chec
     assert report.ok, report.message("test")
     assert report.probes_checked == len(PROBES) and report.special_tokens_checked >= 3
     assert report.served["id"] == SERVED_NAME
+    assert report.identity.endswith(f"{len(IDENTITY_KEYS)} fields compared"), report.identity
+
+
+def test_another_model_behind_the_same_tokenizer_is_refused(vllm_server: VLLMServer,
+                                                            tied_checkpoints: TinyCheckpoints,
+                                                            untied_checkpoints: TinyCheckpoints) -> None:
+    """The untied family has the tied family's tokenizer and template: every probe passes, and the
+    model the trainer would train is not the one the server samples from."""
+    with TemplateParity(untied_checkpoints.base, vllm_server.url) as parity:
+        with pytest.raises(TemplateMismatch, match="tie_word_embeddings=True, the trainer's .* False"):
+            parity.require("at the trainer's start")
+        report = parity.last
+    assert report is not None and not report.differences  # the tokenizer alone could not tell
+    assert report.served["root"] == str(tied_checkpoints.base)
+
+
+def test_model_identity_compares_configs_and_says_what_it_could_not(tmp_path: Path) -> None:
+    config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
+              "num_hidden_layers": 2, "vocab_size": 512, "torch_dtype": "float32"}
+    for name, changes in (("a", {}), ("same", {"torch_dtype": "bfloat16"}), ("deeper", {"num_hidden_layers": 4})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **changes}))
+    assert model_identity(str(tmp_path / "a"), tmp_path / "same") == ([], f"config of {tmp_path / 'a'}: "
+                                                                           "5 fields compared")
+    problems, _ = model_identity(str(tmp_path / "a"), tmp_path / "deeper")
+    assert problems == [f"the server's model {tmp_path / 'a'} has num_hidden_layers=2, the trainer's "
+                        f"{tmp_path / 'deeper'} 4"]
+    problems, said = model_identity("HuggingFaceTB/SmolLM2-135M-Instruct", tmp_path / "a")
+    assert problems == [] and said.startswith("not compared: the server's model 'HuggingFaceTB/")
 
 
 def test_a_changed_chat_template_is_refused(vllm_python: Path, tied_checkpoints: TinyCheckpoints,

@@ -4,7 +4,11 @@ conversation exactly as the trainer does, or the trainer's rows are not what was
 `TemplateParity(model_dir, server_url).check()` asks the vLLM server to render probe conversations
 (with tools, a multi-turn tool history, and a system prompt) through `/tokenize`, and compares them
 with the trainer's `apply_chat_template` of the same ones; it also checks that every special token
-is one and the same ID on both sides, and that the vocabulary ends at the same ID. `require()`
+is one and the same ID on both sides, and that the vocabulary ends at the same ID. It also checks
+that the server serves the same model: where the server's model (`/v1/models` `root`) is a folder on
+this machine, its config must agree with the trainer's on what fixes the weights' shapes and meaning
+(`IDENTITY_KEYS`): the same tokenizer in front of another model passes every probe, and its
+log-prob ratios are noise. Weights differ by design (the trainer publishes its own). `require()`
 refuses a mismatch (`TemplateMismatch`, one line naming the first differing token with both
 decodings) unless `allow_mismatch` was given.
 
@@ -51,6 +55,27 @@ PROBES: dict[str, dict[str, Any]] = {
     "text_parts": {"messages": [{"role": "user", "content": [{"type": "text", "text": "first part"},
                                                             {"type": "text", "text": "second part"}]}]},
 }
+
+
+# What makes two configs the same model for training (its size, its wiring, its vocabulary).
+IDENTITY_KEYS = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")
+
+
+def model_identity(served_root: str, model_dir: str | Path) -> tuple[list[str], str]:
+    """(problems, what was compared) between the config of the model a server loaded from
+    `served_root` and the trainer's `model_dir`. A root that is no folder here (a hub ID, another
+    machine's path) is not compared, and the second value says so."""
+    served, trainer = Path(served_root), Path(model_dir)
+    if not (served / "config.json").is_file():
+        return [], f"not compared: the server's model {served_root!r} is no folder with a config.json here"
+    if not (trainer / "config.json").is_file():
+        return [], f"not compared: the trainer's model {str(model_dir)!r} has no config.json"
+    a, b = (json.loads((d / "config.json").read_text()) for d in (served, trainer))
+    keys = [k for k in IDENTITY_KEYS if k in a and k in b]  # a field one side leaves to its default: not compared
+    problems = [f"the server's model {served_root} has {k}={a.get(k)!r}, the trainer's {model_dir} {b.get(k)!r}"
+                for k in keys if a.get(k) != b.get(k)]
+    return problems, f"config of {served_root}: {len(keys)} fields compared"
 
 
 class TemplateMismatch(UsageError):
@@ -132,8 +157,9 @@ class ParityReport:
     probes_checked: int = 0
     special_tokens_checked: int = 0
     differences: tuple[Difference, ...] = ()
-    problems: tuple[str, ...] = ()  # vocabulary and special-token findings
+    problems: tuple[str, ...] = ()  # model identity, vocabulary and special-token findings
     unavailable: str | None = None  # why nothing could be compared (then `ok`: nothing found)
+    identity: str = ""  # what the model identity check compared (`model_identity`)
 
     @property
     def ok(self) -> bool:
@@ -142,7 +168,7 @@ class ParityReport:
     def message(self, when: str) -> str:
         what = [d.describe() for d in self.differences[:1]] + list(self.problems[:2])
         more = len(self.differences) + len(self.problems) - len(what)
-        return (f"the served model at {self.server_url} does not tokenise like the trainer's {self.model_dir} "
+        return (f"the served model at {self.server_url} does not match the trainer's {self.model_dir} "
                 f"({when}): " + "; ".join(what) + (f"; and {more} more" if more > 0 else "")
                 + f". Serve the trainer's tokenizer and chat template, or pass {ALLOW_FLAG} ({RISK})")
 
@@ -182,9 +208,10 @@ class TemplateParity:
             if d is not None:
                 differences.append(d)
         special = self._special_ids()
-        problems = self._special_tokens(model, special) + self._vocabulary_end(model)
+        mismatched, identity = model_identity(str(served.get("root") or ""), self.model_dir)
+        problems = mismatched + self._special_tokens(model, special) + self._vocabulary_end(model)
         self.last = ParityReport(self.root, self.model_dir, served, len(PROBES), len(special),
-                                 tuple(differences), tuple(problems))
+                                 tuple(differences), tuple(problems), identity=identity)
         return self.last
 
     def require(self, when: str) -> ParityReport:
