@@ -1,7 +1,8 @@
 """The layout's rules, checked on the source (no imports executed):
 
 - nothing under `lightning_middleware/` imports `trainer_backend`, not even lazily in a function;
-- no import cycles between the modules of the three packages;
+- no import cycles between the modules of the three packages, nor between their sub-packages
+  (arrows between folders run one way: `gateway` uses `capture` and `rewards`, never the reverse);
 - no `from our_module import _private` anywhere (packages, tests, benchmarks);
 - no source module over 1,000 lines (size follows role: a cohesive module that reads top to bottom
   may be long; this catches a module that has become two), and every sub-package says what lives in it.
@@ -143,6 +144,32 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles() -> None:
     graph = {m: _edges(m, p) for m, p in MODULES.items()}
+    assert _cycles(graph) == []
+
+
+def _folder(module: str) -> str:
+    """The sub-package a module lives in (`lightning_middleware.gateway`), or the module itself
+    when it sits at a package's top (`lightning_middleware.records`)."""
+    head = ".".join(module.split(".")[:2])
+    return head if head != module and _is_package(head) else module
+
+
+def folder_graph() -> dict[str, set[str]]:
+    """Imports between folders, at run time; a package's `__init__` (its public surface,
+    re-exporting from its folders) is no folder of its own."""
+    graph: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        if module in PACKAGES:
+            continue
+        here = _folder(module)
+        graph.setdefault(here, set()).update(
+            _folder(t) for t in _edges(module, path) if t not in PACKAGES and _folder(t) != here)
+    return graph
+
+
+def test_arrows_between_folders_run_one_way() -> None:
+    graph = folder_graph()
+    assert {"lightning_middleware.capture", "lightning_middleware.asgi"} <= graph["lightning_middleware.gateway"]
     assert _cycles(graph) == []
 
 

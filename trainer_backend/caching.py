@@ -1,4 +1,5 @@
-"""One builder at a time per cache folder, across processes.
+"""Where the project caches what is slow to build, and one builder at a time per cache folder,
+across processes.
 
 The demos cache what is slow to build (the converted SmolLM2, the SFT warm starts) under
 $LIGHTNING_HOME. Two runs on one machine (two seeds side by side, or test workers) that miss the
@@ -16,6 +17,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+
+def lightning_home() -> Path:
+    """Root folder for the project's caches (``$LIGHTNING_HOME``): the vLLM environment, models,
+    warm starts, hardware probes, logs."""
+    default = Path.home() / ".cache" / "lightning-middleware"
+    return Path(os.environ.get("LIGHTNING_HOME", default)).expanduser()
 
 
 @contextmanager

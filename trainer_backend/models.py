@@ -242,7 +242,7 @@ def prepare_smollm2(
     ``tools_template=True`` installs this module's ChatML + hermes-tools template
     instead (vLLM's hermes parser works on the text, so no special tokens needed).
     """
-    from trainer_backend.serving.env import lightning_home
+    from trainer_backend.caching import lightning_home
 
     out = (Path(out_dir) if out_dir else lightning_home() / "models" / "smollm2-135m-instruct").resolve()
     # one conversion at a time; a second caller waits and finds it done

@@ -32,7 +32,7 @@ class Assembled:
     error: str | None = None
     extra_choices: list[Choice] = field(default_factory=list)  # choices 1.. of the same prompt, by index
     # Choice 0's text exactly as sampled (a chat answer's logprob tokens joined), before the server's
-    # tool-call parser took it apart; None without logprobs. See `capture.history`.
+    # tool-call parser took it apart; None without logprobs. See `capture.exact_history`.
     sampled_text: str | None = None
 
 

@@ -104,7 +104,7 @@ class CaptureSettings:
     # model the agent code wrote; other agents' calls go to `default_policy` (None: as written).
     policies: Mapping[str, str] = field(default_factory=dict)
     default_policy: str | None = None
-    # Send a rollout's earlier tool-calling turns back as the text the model sampled (capture/history.py).
+    # Send a rollout's earlier tool-calling turns back as the text the model sampled (capture/exact_history.py).
     exact_history: bool = False
     _unattached_counter: Any = field(default_factory=lambda: _Counter())
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from lightning_middleware.capture.history import SampledTurns
+from lightning_middleware.capture.exact_history import SampledTurns
 from lightning_middleware.records import Mode, Reward, Rollout, RolloutStatus, new_id
 from lightning_middleware.rewards import RewardConfig, Scorer, load_config
 from lightning_middleware.rewards.config import AGENT
@@ -54,7 +54,7 @@ class RolloutState:
         self.default_policy: str | None = None
         self.ended = False
         self.last_call_index: int | None = None
-        self.sampled_turns = SampledTurns()  # for wrap(exact_history=True): capture/history.py
+        self.sampled_turns = SampledTurns()  # for wrap(exact_history=True): capture/exact_history.py
         self._counter = itertools.count()
         self._lock = threading.Lock()
 

@@ -77,7 +77,7 @@ def wrap(client: T, *, store: TraceStore | str | None = None, record_unattached:
     `exact_history`: send a rollout's earlier tool-calling turns back to the engine as the text
     the model sampled, not as the framework's structured tool calls re-rendered by the chat
     template, so that each turn's prompt continues the last one token for token (for ChatML /
-    hermes-style templates; `capture.history`). Off by default.
+    hermes-style templates; `capture.exact_history`). Off by default.
 
     Wrapping twice is harmless (the second call only updates the settings you pass).
     The store is opened here, so a bad store URL fails now, not inside an LLM call.

@@ -6,10 +6,10 @@ bearer-token auth; `GatewayClient` drives its rollout routes with safe retries.
         client = OpenAI(base_url=gw.base_url, api_key="-")
 """
 
+from lightning_middleware.asgi.auth import TOKEN_ENV
+from lightning_middleware.asgi.errors import GatewayConfigError
 from lightning_middleware.gateway.app import GatewayApp
-from lightning_middleware.gateway.auth import TOKEN_ENV
 from lightning_middleware.gateway.client import GatewayClient, GatewayClientError
-from lightning_middleware.gateway.errors import GatewayConfigError
 from lightning_middleware.gateway.forwarding import POLICY_HEADER, UPSTREAM_HEADER
 from lightning_middleware.gateway.service import REPLAY_HEADER, Gateway, build_app
 

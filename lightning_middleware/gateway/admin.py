@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from lightning_middleware.gateway.auth import TOKEN_ENV
+from lightning_middleware.asgi.auth import TOKEN_ENV
 
 
 class GatewayAdminError(RuntimeError):

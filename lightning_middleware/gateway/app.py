@@ -7,10 +7,10 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_middleware.gateway.errors import HTTPError, error_reply
+from lightning_middleware.asgi.errors import HTTPError, error_reply
+from lightning_middleware.asgi.replies import Receive, Scope, Send
 from lightning_middleware.gateway.registry import check_rollout_id
 from lightning_middleware.gateway.requests import check_headers, parse_object, proxy_route, receive_body
-from lightning_middleware.gateway.responses import Receive, Scope, Send
 from lightning_middleware.gateway.reward_keys import IDEMPOTENCY_HEADER
 from lightning_middleware.gateway.rollout_policies import policies_from_metadata
 from lightning_middleware.records import Rollout, RolloutStatus
@@ -57,7 +57,7 @@ class GatewayApp:
 def _review_routes(gw: Gateway) -> list[Any]:
     """The labelling page at /review (it holds no data, like /health) and its API under
     /review/api, behind the gateway's token rule; labels combine under the gateway's rewards."""
-    from lightning_middleware.rewards.labelling import Labelling, review_routes
+    from lightning_middleware.rewards.review import Labelling, review_routes
 
     def check(request: Any) -> None:
         gw.check_auth(request.headers.get("authorization", ""), request.scope.get("client"))

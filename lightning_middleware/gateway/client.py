@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from lightning_middleware.gateway.auth import TOKEN_ENV
+from lightning_middleware.asgi.auth import TOKEN_ENV
 
 log = logging.getLogger(__name__)
 

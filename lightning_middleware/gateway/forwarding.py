@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from lightning_middleware.asgi.errors import HTTPError, failure_name, unreachable, upstream_error
+from lightning_middleware.asgi.replies import Full, Headers, reply_headers
 from lightning_middleware.capture import (
     AGENT_HEADER,
     ROLLOUT_HEADER,
@@ -15,8 +17,6 @@ from lightning_middleware.capture import (
     attempt_of,
     begin_call,
 )
-from lightning_middleware.gateway.errors import HTTPError, failure_name, unreachable, upstream_error
-from lightning_middleware.gateway.responses import Full, Headers, reply_headers
 from lightning_middleware.gateway.upstreams import UpstreamPool
 from lightning_middleware.store import TraceStore
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_middleware import fastjson
-from lightning_middleware.gateway.errors import HTTPError
-from lightning_middleware.gateway.responses import JSON_HEADERS, Headers
+from lightning_middleware.asgi.errors import HTTPError
+from lightning_middleware.asgi.replies import JSON_HEADERS, Headers
 from lightning_middleware.records import LLMCall
 
 Key = tuple[str, ...]

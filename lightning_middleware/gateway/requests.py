@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_middleware import fastjson
-from lightning_middleware.gateway.errors import HTTPError
-from lightning_middleware.gateway.responses import Receive
+from lightning_middleware.asgi.errors import HTTPError
+from lightning_middleware.asgi.replies import Receive
 
 MAX_DEPTH = 1024  # JSON nesting orjson accepts; deeper bodies get a 400
 # Rollout ids: safe in a URL path and a log line. Not only dots: "." and ".." are dot segments,

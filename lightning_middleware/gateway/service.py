@@ -34,8 +34,8 @@ agent -> policy map (`rollout_policies`).
 The parts, one module each: `admission` (the pause gate), `upstreams` (replica choice and
 health), `replay` (retries answered from the first call), `registry` (rollouts over HTTP),
 `rollout_policies`, `reward_keys`, `client` (`GatewayClient`),
-`requests`/`responses` (raw ASGI), `translation` (other formats as chat completions), `errors`,
-`auth`, `app` (routes), `cli`. Heavy imports
+`requests` (raw ASGI requests), `translation` (other formats as chat completions), `app` (routes),
+`cli`; the HTTP layer it shares with the review page is `lightning_middleware.asgi`. Heavy imports
 (starlette, uvicorn, aiohttp) happen inside functions: registering the CLI stays cheap.
 """
 
@@ -51,17 +51,17 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from lightning_middleware import fastjson
+from lightning_middleware.asgi.auth import TOKEN_ENV, check_bearer, check_client, checked_token, is_loopback
+from lightning_middleware.asgi.errors import GatewayConfigError, HTTPError, error_reply, upstream_error
+from lightning_middleware.asgi.replies import Full, Scope, Send, StreamResponse, bind_socket
 from lightning_middleware.capture import ROLLOUT_HEADER, scrub_secrets
 from lightning_middleware.formats import FORMATS, Format
 from lightning_middleware.gateway.admission import PAUSE_MODES, PauseGate
 from lightning_middleware.gateway.app import GatewayApp
-from lightning_middleware.gateway.auth import TOKEN_ENV, check_bearer, check_client, checked_token, is_loopback
-from lightning_middleware.gateway.errors import GatewayConfigError, HTTPError, error_reply, upstream_error
 from lightning_middleware.gateway.forwarding import POLICY_HEADER, Forwarder, Upstreamed
 from lightning_middleware.gateway.registry import RolloutEntry, RolloutRegistry
 from lightning_middleware.gateway.replay import Cached, Flight, ReplayCache, answer_from_record, is_retry
 from lightning_middleware.gateway.requests import Receive, parse_object, receive_body
-from lightning_middleware.gateway.responses import Full, Scope, Send, StreamResponse, bind_socket
 from lightning_middleware.gateway.reward_keys import MAX_KEY_CHARS, RewardKeys
 from lightning_middleware.gateway.translation import TranslatedCall, in_format, translate_call
 from lightning_middleware.gateway.upstreams import Upstream, UpstreamPool
@@ -117,7 +117,7 @@ class Gateway:
     ) -> None:
         """`rewards`: a reward configuration (or its TOML/JSON file) every rollout is scored under
         as it finishes (docs/rewards.md). `exact_history`: a rollout's earlier tool-calling turns
-        go to the engine as the text the model sampled (`wrap(exact_history=)`, capture/history.py)."""
+        go to the engine as the text the model sampled (`wrap(exact_history=)`, capture/exact_history.py)."""
         if isinstance(upstreams, str):
             upstreams = [upstreams]
         if not upstreams:

@@ -13,10 +13,10 @@ from typing import Any
 import orjson
 
 from lightning_middleware import fastjson
+from lightning_middleware.asgi.errors import HTTPError
+from lightning_middleware.asgi.replies import Full
 from lightning_middleware.capture import Source
 from lightning_middleware.formats import Format, TranslationError, store_history
-from lightning_middleware.gateway.errors import HTTPError
-from lightning_middleware.gateway.responses import Full
 from lightning_middleware.store import TraceStore
 
 

@@ -10,7 +10,8 @@ reward, reward-hacking guards, per-step rewards, re-scoring stored rollouts, a l
 `rules` (rule rewards and the built-ins), `guards` (reward-hacking penalties), `sources` (the
 reward model, human labels, calibration), `ranking` (the judge that ranks a group's rollouts),
 `combine` (scoring and storing: `Scorer`), `rescore`,
-`steps` (per-step rewards as token-level rewards), `labelling` (the labelling page's app), `cli`.
+`steps` (per-step rewards as token-level rewards), `review` (the labelling page's app, on
+`lightning_middleware.asgi`), `cli`.
 docs/rewards.md has the format and the rules.
 """
 

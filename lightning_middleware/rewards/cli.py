@@ -116,8 +116,8 @@ def _label(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from lightning_middleware.gateway.auth import checked_token, is_loopback
-    from lightning_middleware.rewards.labelling import build_app
+    from lightning_middleware.asgi.auth import checked_token, is_loopback
+    from lightning_middleware.rewards.review import build_app
 
     try:
         token = checked_token(args.token or os.environ.get(TOKEN_ENV))

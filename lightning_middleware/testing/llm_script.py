@@ -13,7 +13,7 @@ predict every token:
   offered tool, one per turn, in order. Then it answers `echo: <last message>`.
   With a model name containing `loose-format` it samples its calls with a "\n" before
   `</tool_call>`, which the rendering of a structured call back leaves out (the format
-  drift of a policy that learned an unrewarded variant: capture/history.py).
+  drift of a policy that learned an unrewarded variant: capture/exact_history.py).
 - Logprob of completion token i is `-(i % 7) / 10`.
 - `n` > 1: `n` distinct choices. Choice 0 is the answer above; choice k answers `echo k: ...`
   (a tool call gets `"variant": k` in its arguments), and its token i has logprob

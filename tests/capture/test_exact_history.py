@@ -1,6 +1,6 @@
 """`wrap(..., exact_history=True)`: a rollout's earlier tool-calling turns go back to the engine as
 the text the model sampled, so the next prompt continues the last one token for token
-(capture/history.py). The drift it fixes is planted by the test LLM's `loose-format` model: it
+(capture/exact_history.py). The drift it fixes is planted by the test LLM's `loose-format` model: it
 samples "\\n</tool_call>", and the rendering of the structured call back leaves the "\\n" out, as
 the guess demo's policy drifted the other way (docs/demo.md)."""
 
@@ -15,7 +15,7 @@ import pytest
 
 from lightning_middleware import TraceStore, rollout, wrap
 from lightning_middleware.capture.assembly import BodyCollector
-from lightning_middleware.capture.history import SampledTurns
+from lightning_middleware.capture.exact_history import SampledTurns
 from lightning_middleware.gateway import Gateway
 from lightning_middleware.rows import build_rows
 from lightning_middleware.testing import TEST_BASE_URL, LLMTestServer, llm_http_client, render_chat, tokenize

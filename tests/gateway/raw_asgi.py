@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_middleware.gateway.responses import Message
+from lightning_middleware.asgi.replies import Message
 
 LOOPBACK = ("127.0.0.1", 50000)
 

@@ -19,9 +19,9 @@ import pytest
 import sqlalchemy as sa
 
 from lightning_middleware import TraceStore, rollout, wrap
+from lightning_middleware.asgi.auth import check_bearer, tokens_match
+from lightning_middleware.asgi.errors import HTTPError
 from lightning_middleware.gateway import Gateway, GatewayApp, GatewayConfigError
-from lightning_middleware.gateway.auth import check_bearer, tokens_match
-from lightning_middleware.gateway.errors import HTTPError
 from lightning_middleware.gateway.requests import proxy_paths, proxy_route
 from lightning_middleware.testing import TEST_BASE_URL, LLMTestServer, llm_http_client
 from lightning_middleware.testing.secret_scan import scan_tree

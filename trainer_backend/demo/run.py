@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_middleware.controller import RolloutController
 from lightning_middleware.rewards import RewardConfig, Scorer, load_config
 from lightning_middleware.store import TraceStore
+from trainer_backend.caching import lightning_home
 from trainer_backend.daemon.reward_gate import RewardPolicy
 from trainer_backend.daemon.trainer_daemon import GroupPolicy, TrainerConfig, TrainerDaemon
 from trainer_backend.demo.agent import SERVED_NAME, evaluate, make_agent
@@ -47,7 +48,7 @@ from trainer_backend.demo.report import plot_curve
 from trainer_backend.demo.schedule import lr_at
 from trainer_backend.demo.task import make_tasks
 from trainer_backend.demo.warm_start import WarmStartConfig, warm_start
-from trainer_backend.serving.env import ensure_vllm_env, lightning_home
+from trainer_backend.serving.env import ensure_vllm_env
 from trainer_backend.serving.publisher import WeightPublisher
 from trainer_backend.serving.server import VLLMServer
 

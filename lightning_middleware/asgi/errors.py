@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 
-from lightning_middleware.gateway.responses import JSON_HEADERS, Full
+from lightning_middleware.asgi.replies import JSON_HEADERS, Full
 from lightning_middleware.store import StoreError
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import pytest
 
 from lightning_middleware import RewardConfig, TraceStore, rollout
 from lightning_middleware.rewards import Scorer
-from lightning_middleware.rewards.labelling import build_app
+from lightning_middleware.rewards.review import build_app
 from tests.rewards.browser import browser, serve
 from tests.rewards.helpers import client_for, tool_agent
 
