@@ -60,7 +60,7 @@ def export_rows(store_url: str, out: Path, limit: int) -> int:
     """The rows a trainer would build from the store's succeeded, rewarded train rollouts."""
     from lightning_middleware import TraceStore
     from lightning_middleware.rows import build_rows_for_rollouts, with_advantages
-    from trainer_backend.algorithms.grpo import rollout_advantages
+    from trainer_backend.algorithms.advantages import rollout_advantages
 
     store = TraceStore(store_url if "://" in store_url else f"sqlite:///{store_url}")
     rollouts = [r for r in store.query_rollouts(status="succeeded", mode="train") if r.final_reward is not None][:limit]

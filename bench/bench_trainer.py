@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from lightning_middleware import LLMCall, TraceStore  # noqa: E402
 from lightning_middleware.records import Reward, Rollout, new_id  # noqa: E402
 from lightning_middleware.rows import build_rows_for_rollouts, with_advantages  # noqa: E402
-from trainer_backend.algorithms.grpo import rollout_advantages  # noqa: E402
+from trainer_backend.algorithms.advantages import rollout_advantages  # noqa: E402
 from trainer_backend.engines.precision import bf16_probe, cpu_kind, resolve_precision  # noqa: E402
 from trainer_backend.engines.torch_engine import PRECISIONS  # noqa: E402
 

@@ -30,7 +30,7 @@ A row is one token sequence the model is trained on. The rule (docs/trainer.md):
    choice's own, so every behaviour logprob belongs to the token it is trained with.
 
 Advantages are not computed here: `Row.advantage` is 0.0 until `with_advantages` (per-turn
-credit sets `token_advantages` too: trainer_backend/algorithms/credit.py).
+credit sets `token_advantages` too: trainer_backend/algorithms/advantages.py).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class Row:
     # The served model name its calls went to: with separate policies per agent, the policy
     # (a row never mixes two; calls of one agent under two models start separate rows).
     policy: str | None = None
-    # Per-turn credit (trainer_backend/algorithms/credit.py): per token, the advantage of the call
+    # Per-turn credit (trainer_backend/algorithms/advantages.py): per token, the advantage of the call
     # whose completion holds it (0.0 off the completions); None: `advantage` on every token.
     token_advantages: tuple[float, ...] | None = None
     # Per token, the per-step reward of the call whose completion ends there (PPO's GAE with

@@ -144,8 +144,7 @@ def test_short_demo_learns(tmp_path: Path) -> None:
 
 
 def test_lr_schedule_warms_up_by_step_then_decays_by_budget() -> None:
-    from trainer_backend.demo.run import DemoConfig
-    from trainer_backend.demo.schedule import lr_at
+    from trainer_backend.demo.run import DemoConfig, lr_at
 
     cfg = DemoConfig(lr=5e-4, lr_end=1e-4, lr_warmup_steps=10)
     warm = [lr_at(cfg, k, 0.0) for k in range(1, 11)]
@@ -160,8 +159,7 @@ def test_lr_schedule_warms_up_by_step_then_decays_by_budget() -> None:
 
 
 def test_a_step_budget_ends_the_schedule_where_the_time_cap_would() -> None:
-    from trainer_backend.demo.run import DemoConfig
-    from trainer_backend.demo.schedule import spent
+    from trainer_backend.demo.run import DemoConfig, spent
 
     timed = DemoConfig(minutes=10)
     assert spent(timed, 20, 300.0) == pytest.approx(0.5)  # time alone

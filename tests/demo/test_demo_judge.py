@@ -157,7 +157,7 @@ def test_the_budget_stops_new_rollout_groups_before_the_trainer_returns(
     """At the time cap the back-pressure thread ends and resumes the controller; a trainer still
     in its step (a judge ranking a backlog) must not leave the controller running free: in the
     judge run it started 5,000 rollouts in the ten minutes one step took."""
-    from trainer_backend.demo.loop import TrainingLoop
+    from trainer_backend.demo.run import TrainingLoop
 
     daemon = make_daemon(store, model_dir, tmp_path)
     cfg = DemoConfig(out_dir=str(tmp_path / "out"), group_size=2, groups_per_step=1, progress=False)

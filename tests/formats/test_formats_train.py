@@ -24,7 +24,8 @@ from agents.models import _openai_shared  # noqa: E402
 
 from lightning_middleware import TraceStore, rollout, wrap  # noqa: E402
 from lightning_middleware.testing import LLMTestServer  # noqa: E402
-from trainer_backend.daemon.trainer_daemon import GroupPolicy, TrainerConfig, TrainerDaemon  # noqa: E402
+from trainer_backend.daemon.config import GroupPolicy, TrainerConfig  # noqa: E402
+from trainer_backend.daemon.trainer_daemon import TrainerDaemon  # noqa: E402
 from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 
 set_tracing_disabled(True)  # no trace export: no network

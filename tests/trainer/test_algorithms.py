@@ -11,7 +11,7 @@ import torch
 from lightning_middleware.records import Rollout
 from lightning_middleware.rows import Row
 from trainer_backend.algorithms.advantages import advantages_for, estimate, group_centre, whiten_by_tokens
-from trainer_backend.algorithms.grpo import LossConfig, kl_estimate, loss_weights, policy_loss, sequence_log_ratio
+from trainer_backend.algorithms.losses import LossConfig, kl_estimate, loss_weights, policy_loss, sequence_log_ratio
 
 TOL = 1e-6
 

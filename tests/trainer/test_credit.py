@@ -1,4 +1,4 @@
-"""Per-turn credit (trainer_backend/algorithms/credit.py): returns and advantages by hand, their
+"""Per-turn credit (trainer_backend/algorithms/advantages.py): returns and advantages by hand, their
 place on the tokens of real rows (merges, breaks, two agents, retries, truncation), groups of one,
 equality with rollout-level credit without per-step rewards, verl's outcome advantages where the
 two views meet (one call per rollout), and the configuration's refusals."""
@@ -14,10 +14,8 @@ import torch
 
 from lightning_middleware.records import LLMCall, Rollout
 from lightning_middleware.rows import Row, build_rows_for_rollouts
-from trainer_backend.algorithms import credit
-from trainer_backend.algorithms.advantages import whiten_by_tokens
-from trainer_backend.algorithms.credit import StepRewards, turn_returns
-from trainer_backend.algorithms.labelling import label
+from trainer_backend.algorithms import advantages, registry
+from trainer_backend.algorithms.advantages import StepRewards, label, turn_returns, whiten_by_tokens
 from trainer_backend.algorithms.registry import OUTCOME
 
 TOL = 1e-6
@@ -189,7 +187,7 @@ def test_a_retried_call_counts_once_with_the_attempt_that_trained():
     assert row_a.input_ids == (1, 2, 10, 7, 11) and row_a.call_ids == ("a.0.1.None", "a.1.2.None")
     mean = (1.0 + 0.0) / 2  # two turns of a, both returning 1 (not three: the failed attempt is no turn)
     assert row_a.token_advantages == pytest.approx((0, 0, 1 - mean, 0, 1 - mean))
-    m = credit.step_metrics(out, given)
+    m = advantages.step_metrics(out, given)
     assert m == {"step_rewards_used": 1.0, "step_rewards_unused": 0.0, "step_reward_sum": 1.0, "turns": 3.0}
 
 
@@ -201,7 +199,7 @@ def test_a_call_cut_off_by_max_len_still_pays_its_reward_to_the_earlier_turns():
     assert len(row_a) == 6 and row_a.truncated
     # a's three turns return 3 (the cut call's reward too), b's 0: the group mean is 1.5
     assert row_a.token_advantages == pytest.approx((0, 0, 1.5, 1.5, 0, 1.5))
-    assert credit.step_metrics(out, given)["step_rewards_used"] == 1.0
+    assert advantages.step_metrics(out, given)["step_rewards_used"] == 1.0
 
 
 def test_step_rewards_of_calls_not_trained_are_counted_unused():
@@ -209,7 +207,7 @@ def test_step_rewards_of_calls_not_trained_are_counted_unused():
     rollouts, rows, given = batch({"a": ("t", 1.0, calls), "b": ("t", 0.0, three_turns("b"))},
                                   {"a": {0: 0.5, 2: 1.0}})
     out = per_turn("grpo", rollouts, rows, given)
-    assert credit.step_metrics(out, given) == {"step_rewards_used": 1.0, "step_rewards_unused": 1.0,
+    assert advantages.step_metrics(out, given) == {"step_rewards_used": 1.0, "step_rewards_unused": 1.0,
                                                "step_reward_sum": 0.5, "turns": 5.0}
     g_a = [1.5, 1.0]  # the partial call is no turn: its reward is not in a's returns
     mean = (sum(g_a) / 2 + 0) / 2
@@ -370,14 +368,14 @@ def test_one_call_per_rollout_matches_verl_on_summed_token_rewards(seed):
 def test_unsupported_combinations_are_refused_by_name(kw, message):
     c, a = kw.pop("credit"), kw.pop("algorithm")
     with pytest.raises(ValueError) as err:
-        credit.check(c, a, **kw)
+        registry.check_credit(c, a, **kw)
     assert message in str(err.value)
 
 
 def test_every_other_combination_is_accepted():
-    for name in credit.PER_TURN_ALGORITHMS:
-        assert credit.check("per-turn", name, kl_in_reward=name == "ppo") == "per-turn"
-    assert credit.check("rollout", "dpo", level="sample") == "rollout"
+    for name in registry.PER_TURN_ALGORITHMS:
+        assert registry.check_credit("per-turn", name, kl_in_reward=name == "ppo") == "per-turn"
+    assert registry.check_credit("rollout", "dpo", level="sample") == "rollout"
 
 
 def test_the_flags_and_the_file_reach_the_daemon(tmp_path):

@@ -18,9 +18,10 @@ from lightning_middleware import TraceStore, rollout, wrap  # noqa: E402
 from lightning_middleware.rows import Row  # noqa: E402
 from lightning_middleware.testing import LLMTestServer  # noqa: E402
 from tests.trainer.tiny_models import save_tiny_qwen2  # noqa: E402
-from trainer_backend.algorithms.grpo import LossConfig  # noqa: E402
-from trainer_backend.algorithms.ppo import CriticConfig, rollout_advantages_and_returns  # noqa: E402
-from trainer_backend.daemon.trainer_daemon import GroupPolicy, TrainerConfig, TrainerDaemon  # noqa: E402
+from trainer_backend.algorithms.advantages import CriticConfig, rollout_advantages_and_returns  # noqa: E402
+from trainer_backend.algorithms.losses import LossConfig  # noqa: E402
+from trainer_backend.daemon.config import GroupPolicy, TrainerConfig  # noqa: E402
+from trainer_backend.daemon.trainer_daemon import TrainerDaemon  # noqa: E402
 from trainer_backend.engines.batching import make_micro_batch  # noqa: E402
 from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 

@@ -25,7 +25,8 @@ transformers = pytest.importorskip("transformers")
 from lightning_middleware import TraceStore, rollout, wrap  # noqa: E402
 from lightning_middleware.records import STEP_METRICS  # noqa: E402
 from lightning_middleware.testing import LLMTestServer  # noqa: E402
-from trainer_backend.daemon.trainer_daemon import GroupPolicy, TrainerConfig, TrainerDaemon  # noqa: E402
+from trainer_backend.daemon.config import GroupPolicy, TrainerConfig  # noqa: E402
+from trainer_backend.daemon.trainer_daemon import TrainerDaemon  # noqa: E402
 from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

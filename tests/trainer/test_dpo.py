@@ -14,15 +14,8 @@ import torch
 
 from lightning_middleware.records import Rollout
 from lightning_middleware.rows import Row
-from trainer_backend.algorithms.dpo import (
-    DPOConfig,
-    Pair,
-    dpo_loss,
-    pairs_from_groups,
-    pairs_from_rows,
-    preference_advantages,
-    rollout_coefficients,
-)
+from trainer_backend.algorithms.advantages import Pair, pairs_from_groups, pairs_from_rows, preference_advantages
+from trainer_backend.algorithms.losses import DPOConfig, dpo_loss, rollout_coefficients
 
 TOL = 1e-6
 

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from lightning_middleware.rows import Row  # noqa: E402
 from tests.trainer.tiny_models import save_tiny_qwen2  # noqa: E402
-from trainer_backend.algorithms.grpo import LossConfig  # noqa: E402
+from trainer_backend.algorithms.losses import LossConfig  # noqa: E402
 from trainer_backend.engines.base import Engine  # noqa: E402
 from trainer_backend.engines.batching import split_micro_batches  # noqa: E402
 from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402

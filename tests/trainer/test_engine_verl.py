@@ -23,7 +23,7 @@ verl = pytest.importorskip("verl")
 from lightning_middleware.rows import Row  # noqa: E402
 from tests.trainer.tiny_models import save_tiny_qwen2  # noqa: E402
 from tests.trainer.verl_subprocess import run_verl_helper  # noqa: E402
-from trainer_backend.algorithms.grpo import LossConfig, loss_weights  # noqa: E402
+from trainer_backend.algorithms.losses import LossConfig, loss_weights  # noqa: E402
 from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 from trainer_backend.engines.verl_engine import (  # noqa: E402
     VERL_VERSION,

@@ -22,7 +22,7 @@ pytest.importorskip("verl")
 from tests.trainer.test_engine_verl import VOCAB, multi_turn_rows, perturbed_rows  # noqa: E402
 from tests.trainer.tiny_models import save_tiny_qwen2  # noqa: E402
 from tests.trainer.verl_subprocess import run_verl_helper  # noqa: E402
-from trainer_backend.algorithms.grpo import LossConfig  # noqa: E402
+from trainer_backend.algorithms.losses import LossConfig  # noqa: E402
 from trainer_backend.engines import lora  # noqa: E402
 from trainer_backend.engines.policies import PolicySet  # noqa: E402
 from trainer_backend.engines.torch_engine import TorchEngineConfig  # noqa: E402

@@ -11,19 +11,15 @@ import pytest
 import torch
 
 from lightning_middleware.rows import Row
-from trainer_backend.algorithms.grpo import (
+from trainer_backend.algorithms.advantages import group_normalize, rollout_advantages, sample_advantages
+from trainer_backend.algorithms.logprobs import entropy_from_logits, token_logprobs, token_logprobs_entropy
+from trainer_backend.algorithms.losses import (
     LossConfig,
     agg_loss,
-    entropy_from_logits,
-    group_normalize,
     kl_estimate,
     loss_weights,
     policy_loss,
     ppo_token_loss,
-    rollout_advantages,
-    sample_advantages,
-    token_logprobs,
-    token_logprobs_entropy,
 )
 
 TOL = 1e-6

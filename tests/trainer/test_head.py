@@ -12,8 +12,12 @@ torch = pytest.importorskip("torch")
 
 from lightning_middleware.rows import Row  # noqa: E402
 from tests.trainer.tiny_models import save_tiny_qwen2  # noqa: E402
-from trainer_backend.algorithms.grpo import LossConfig, entropy_from_logits, token_logprobs  # noqa: E402
-from trainer_backend.algorithms.sampling import sampled_logits  # noqa: E402
+from trainer_backend.algorithms.logprobs import (  # noqa: E402
+    entropy_from_logits,
+    sampled_logits,  # noqa: E402
+    token_logprobs,
+)
+from trainer_backend.algorithms.losses import LossConfig  # noqa: E402
 from trainer_backend.engines.batching import activation_bytes_per_token  # noqa: E402
 from trainer_backend.engines.head import chunk_positions, head_logprobs, split_head  # noqa: E402
 from trainer_backend.engines.lora import AdapterConfig  # noqa: E402

@@ -12,8 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 from lightning_middleware.rows import Row  # noqa: E402
-from trainer_backend.algorithms.dpo import DPOConfig  # noqa: E402
-from trainer_backend.algorithms.grpo import LossConfig  # noqa: E402
+from trainer_backend.algorithms.losses import DPOConfig, LossConfig  # noqa: E402
 from trainer_backend.engines.lora import AdapterConfig, is_adapter_dir  # noqa: E402
 from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 from lightning_middleware.rows import Row  # noqa: E402
-from trainer_backend.algorithms.grpo import LossConfig  # noqa: E402
+from trainer_backend.algorithms.losses import LossConfig  # noqa: E402
 from trainer_backend.engines.lora import AdapterConfig, adapter_parameters, is_adapter_dir  # noqa: E402
 from trainer_backend.engines.policies import PolicySet  # noqa: E402
 from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
@@ -126,7 +126,8 @@ def test_the_daemon_trains_each_policy_on_its_agents_rewards(llm_server, store, 
 
     from lightning_middleware import agent_scope, emit_reward, rollout, wrap
     from tests.trainer.tiny_models import save_tiny_qwen2
-    from trainer_backend.daemon.trainer_daemon import GroupPolicy, TrainerConfig, TrainerDaemon
+    from trainer_backend.daemon.config import GroupPolicy, TrainerConfig
+    from trainer_backend.daemon.trainer_daemon import TrainerDaemon
 
     base = save_tiny_qwen2(tmp_path / "bytes", vocab=260, hidden=32, layers=1, max_positions=1024)
     client = wrap(openai.OpenAI(base_url=llm_server.base_url, api_key="x"), store=store,

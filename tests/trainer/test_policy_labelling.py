@@ -6,7 +6,7 @@ import pytest
 
 from lightning_middleware.records import Rollout
 from lightning_middleware.rows import Row
-from trainer_backend.algorithms.labelling import label, policy_rollouts
+from trainer_backend.algorithms.advantages import label, policy_rollouts
 
 
 def _rollout(rid: str, task: str, reward: float) -> Rollout:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lightning_middleware.rows import Row
-from trainer_backend.algorithms.grpo import LossConfig, kl_estimate, loss_weights
-from trainer_backend.algorithms.ppo import CriticConfig, gae, rollout_advantages_and_returns, value_loss
+from trainer_backend.algorithms.advantages import CriticConfig, gae, rollout_advantages_and_returns
+from trainer_backend.algorithms.losses import LossConfig, kl_estimate, loss_weights, value_loss
 
 TOL = 1e-6
 

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from lightning_middleware.records import LLMCall  # noqa: E402
 from lightning_middleware.rows import build_rows, sampling_of  # noqa: E402
-from trainer_backend.algorithms.sampling import MASKED, sampled_logits  # noqa: E402
+from trainer_backend.algorithms.logprobs import MASKED, sampled_logits  # noqa: E402
 
 
 def test_temperature_divides_the_logits():

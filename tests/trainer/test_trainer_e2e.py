@@ -31,7 +31,8 @@ def _completion_logprob(server_url: str, prompt: tuple[int, ...], completion: tu
 
 def test_daemon_trains_publishes_and_the_server_moves(vllm_server, tied_checkpoints, tmp_path) -> None:
     pytest.importorskip("torch")
-    from trainer_backend.daemon.trainer_daemon import GroupPolicy, TrainerConfig, TrainerDaemon
+    from trainer_backend.daemon.config import GroupPolicy, TrainerConfig
+    from trainer_backend.daemon.trainer_daemon import TrainerDaemon
     from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig
 
     base = Path(shutil.copytree(tied_checkpoints.base, tmp_path / "base"))

@@ -108,7 +108,7 @@ def main() -> None:
     start_cpu_process_group()
     from pathlib import Path
 
-    from trainer_backend.algorithms.grpo import LossConfig
+    from trainer_backend.algorithms.losses import LossConfig
     from trainer_backend.engines.verl_engine import VerlEngine, VerlEngineConfig
 
     # SGD with lr 1 and no clipping: the parameter change is exactly minus the gradient

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 from tests.trainer.verl_cpu_actor import CPU_OVERRIDES, in_process_worker, start_cpu_process_group  # noqa: E402
-from trainer_backend.algorithms.grpo import LossConfig  # noqa: E402
+from trainer_backend.algorithms.losses import LossConfig  # noqa: E402
 from trainer_backend.engines.lora import AdapterConfig  # noqa: E402
 from trainer_backend.engines.verl_engine import VerlEngine, VerlEngineConfig  # noqa: E402
 

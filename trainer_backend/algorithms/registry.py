@@ -1,26 +1,25 @@
-"""The algorithms behind `--algo` and what each asks of the daemon and the engine.
+"""The names behind `--algo`, `credit` and `advantage_level`, and what each asks of the daemon and
+the engine: the one table the configuration, the CLI and the daemon read.
 
-    name          advantages                              loss / engine
-    grpo          group-normalised outcome (advantages)   PPO clipped surrogate, token ratio
+    name          advantages (advantages.py)              loss (losses.py)
+    grpo          group-normalised outcome                PPO clipped surrogate, token ratio
     dr_grpo       R - group mean                          same
     rloo          leave-one-out baseline                  same
     reinforce_pp  group baseline, whitened over tokens    same
     gspo          as grpo                                 sequence-level ratio, seq-mean-token-mean
-    ppo           GAE from a critic (algorithms/ppo.py)   same surrogate + the critic's value loss
-    dpo           best vs worst rollout per group         DPO against the frozen reference (dpo.py)
+    ppo           GAE from a critic                       same surrogate + the critic's value loss
+    dpo           best vs worst rollout per group         DPO against the frozen reference
 
 Light (no torch): the daemon's config and the CLI validate names with it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
-from lightning_middleware.records import Rollout
-from lightning_middleware.rows import Row
-
 OUTCOME = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo")
 ALGORITHMS = (*OUTCOME, "ppo", "dpo")
+CREDITS = ("rollout", "per-turn")
+PER_TURN_ALGORITHMS = (*OUTCOME, "ppo")
+ADVANTAGE_LEVELS = ("rollout", "sample")
 
 
 def check(name: str) -> str:
@@ -35,21 +34,28 @@ def trains_uniform_groups(name: str) -> bool:
     return check(name) == "ppo"
 
 
-def label_rows(name: str, rollouts: Sequence[Rollout], rows: Sequence[Row], *, level: str = "rollout"
-               ) -> tuple[list[Row], list[float]]:
-    """The rows to train and each one's advantage (DPO: its +1/-1 label; PPO: 0, the engine's
-    critic computes them)."""
-    check(name)
-    if name == "ppo":
-        return list(rows), [0.0] * len(rows)
-    if name == "dpo":
-        from trainer_backend.algorithms.dpo import pairs_from_groups, preference_advantages
-
-        have = {r.rollout_id for r in rows}
-        pairs = [p for p in pairs_from_groups(rollouts) if p.chosen in have and p.rejected in have]
-        labels: Mapping[str, float] = preference_advantages(pairs)
-        kept = [r for r in rows if r.rollout_id in labels]
-        return kept, [labels[r.rollout_id] for r in kept]
-    from trainer_backend.algorithms.advantages import advantages_for
-
-    return list(rows), advantages_for(name, rollouts, rows, level=level)
+def check_credit(credit: str, algorithm: str, *, level: str = "rollout", gamma: float = 1.0,
+                 kl_in_reward: bool = False) -> str:
+    """The credit mode, if it goes with the rest of the configuration; else a ValueError saying why."""
+    if credit not in CREDITS:
+        raise ValueError(f"credit must be one of {', '.join(CREDITS)}, not {credit!r}")
+    if not 0 < gamma <= 1:
+        raise ValueError(f"credit_gamma must be in (0, 1], got {gamma}")
+    if credit == "rollout":
+        if gamma != 1:
+            raise ValueError("credit_gamma discounts per-turn returns: it needs credit = 'per-turn'")
+        return credit
+    check(algorithm)
+    if algorithm not in PER_TURN_ALGORITHMS:
+        raise ValueError(f"credit 'per-turn' needs per-token advantages ({', '.join(PER_TURN_ALGORITHMS)}); "
+                         f"{algorithm!r} compares whole rollouts: use credit 'rollout'")
+    if level != "rollout":
+        raise ValueError("credit 'per-turn' makes every call a sample; advantage_level 'sample' (every row) "
+                         "is another view: keep advantage_level 'rollout'")
+    if algorithm == "ppo" and gamma != 1:
+        raise ValueError("with ppo, GAE discounts the per-step rewards per token (critic.gamma): "
+                         "leave credit_gamma at 1")
+    if kl_in_reward and algorithm != "ppo":
+        raise ValueError(f"credit 'per-turn' with the KL in the reward runs with ppo only; "
+                         f"with {algorithm!r} put the KL in the loss (loss.kl_in = 'loss')")
+    return credit

@@ -15,10 +15,11 @@ from typing import Any
 
 from lightning_middleware.records import Event
 from lightning_middleware.store import TraceStore
+from trainer_backend.daemon.config import StepResult
 from trainer_backend.daemon.drift import DriftWatch
 from trainer_backend.daemon.monitoring import Monitor
 from trainer_backend.daemon.settings import SettingsError, TrainerSettings
-from trainer_backend.daemon.trainer_daemon import StepResult, TrainerDaemon
+from trainer_backend.daemon.trainer_daemon import TrainerDaemon
 from trainer_backend.engines.base import Engine
 from trainer_backend.serving.parity import RISK, TemplateParity
 from trainer_backend.serving.publisher import WeightPublisher

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_middleware import Rollout
-from trainer_backend.algorithms import credit, registry
+from trainer_backend.algorithms import registry
 from trainer_backend.daemon.monitoring import HealthConfig
 from trainer_backend.daemon.reward_gate import RewardPolicy
 from trainer_backend.daemon.validation import EvalPolicy
@@ -34,7 +34,7 @@ class TrainerConfig:
     norm_by_std: bool = True  # GRPO std-normalised advantage (False: mean-only, the same as dr_grpo)
     algorithm: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gspo | ppo | dpo (algorithms/registry.py)
     advantage_level: str = "rollout"  # rollout | sample (each row its own sample: the ablation)
-    credit: str = "rollout"  # rollout | per-turn (each call its own advantage: algorithms/credit.py)
+    credit: str = "rollout"  # rollout | per-turn (each call its own advantage: algorithms/advantages.py)
     credit_gamma: float = 1.0  # per-turn: the discount per call
     poll_interval_s: float = 0.5
     keep_checkpoints: int = 3
@@ -53,7 +53,7 @@ class TrainerConfig:
         registry.check(self.algorithm)
         if self.advantage_level not in ("rollout", "sample"):
             raise ValueError(f"advantage_level must be 'rollout' or 'sample', got {self.advantage_level!r}")
-        credit.check(self.credit, self.algorithm, level=self.advantage_level, gamma=self.credit_gamma)
+        registry.check_credit(self.credit, self.algorithm, level=self.advantage_level, gamma=self.credit_gamma)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lightning_middleware.errors import UsageError
-from trainer_backend.algorithms import credit
+from trainer_backend.algorithms import registry
 from trainer_backend.algorithms.registry import OUTCOME, trains_uniform_groups
 
 if sys.version_info >= (3, 11):
@@ -69,7 +69,7 @@ class AlgorithmSettings(_Section):
     loss_agg: Literal["rollout-token-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = (
         "rollout-token-mean")
     # "rollout": the rollout's reward decides every token (the default); "per-turn": each call's
-    # return (its own and later calls' per-step rewards + the final reward), algorithms/credit.py
+    # return (its own and later calls' per-step rewards + the final reward), algorithms/advantages.py
     credit: Literal["rollout", "per-turn"] = "rollout"
     credit_gamma: float = Field(1.0, gt=0, le=1)  # per-turn: the discount per call
 
@@ -207,7 +207,7 @@ class TrainerSettings(_Section):
                              f"algorithm {self.algorithm.name!r} / loss.kl_in {self.loss.kl_in!r} need engine 'torch'")
         a = self.algorithm
         try:
-            credit.check(a.credit, a.name, level=a.advantage_level, gamma=a.credit_gamma,
+            registry.check_credit(a.credit, a.name, level=a.advantage_level, gamma=a.credit_gamma,
                          kl_in_reward=self.loss.kl_in == "reward" and self.loss.kl_coef > 0)
         except ValueError as exc:
             raise ValueError(f"algorithm.credit: {exc}") from None
@@ -262,7 +262,7 @@ class TrainerSettings(_Section):
 
     # -- what the engine and the daemon take -------------------------------------------
     def loss_config(self) -> Any:
-        from trainer_backend.algorithms.grpo import LossConfig
+        from trainer_backend.algorithms.losses import LossConfig
 
         agg = self.algorithm.loss_agg
         if self.algorithm.name == "gspo" and "loss_agg" not in self.algorithm.model_fields_set:
@@ -276,8 +276,8 @@ class TrainerSettings(_Section):
                           advantage=self.algorithm.name if self.algorithm.name in OUTCOME else "grpo")
 
     def engine_config(self) -> Any:
-        from trainer_backend.algorithms.dpo import DPOConfig
-        from trainer_backend.algorithms.ppo import CriticConfig
+        from trainer_backend.algorithms.advantages import CriticConfig
+        from trainer_backend.algorithms.losses import DPOConfig
         from trainer_backend.engines.torch_engine import TorchEngineConfig
 
         o, e, c, name = self.optim, self.engine, self.critic, self.algorithm.name
@@ -296,9 +296,9 @@ class TrainerSettings(_Section):
             total_steps=o.total_steps or self.run.max_steps, min_lr_ratio=o.min_lr_ratio)
 
     def trainer_config(self) -> Any:
+        from trainer_backend.daemon.config import GroupPolicy, TrainerConfig
         from trainer_backend.daemon.monitoring import HealthConfig
         from trainer_backend.daemon.reward_gate import RewardPolicy
-        from trainer_backend.daemon.trainer_daemon import GroupPolicy, TrainerConfig
         from trainer_backend.daemon.validation import EvalPolicy
 
         r, g, a, e, m = self.run, self.group, self.algorithm, self.eval, self.monitor

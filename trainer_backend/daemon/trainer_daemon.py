@@ -10,7 +10,7 @@ One loop, one step at a time:
     claim     the chosen rollouts (a conditional UPDATE: two daemons on one
               database never get the same rollout).
     train     rows from their training calls (rows.py), rollout-level advantages
-              (grpo.py; per-turn with `credit`: turn_credit.py), one engine step.
+              (algorithms/advantages.py; the loss: losses.py), one engine step.
     publish   save an HF checkpoint, hot-swap it into the serving engine.
     commit    the step's metrics, the new policy version and "these rollouts are
               consumed" in ONE transaction.
@@ -44,16 +44,13 @@ from lightning_middleware import PolicyVersion, Rollout, TraceStore, TrainStep
 from lightning_middleware.records import Event
 from lightning_middleware.rows import RowStats, build_rows_for_rollouts
 from lightning_middleware.store import LeaseLost, StoreError, get_store
-from trainer_backend.algorithms import labelling
-from trainer_backend.daemon.config import Batch, GroupPolicy, StepResult, TrainerConfig
+from trainer_backend.algorithms.advantages import TurnCredit, label
+from trainer_backend.daemon.config import Batch, StepResult, TrainerConfig
 from trainer_backend.daemon.drift import DriftWatch
 from trainer_backend.daemon.monitoring import HealthChecks
 from trainer_backend.daemon.reward_gate import RewardGate
-from trainer_backend.daemon.turn_credit import TurnCredit
 from trainer_backend.daemon.validation import PeriodicEvaluation, protected_checkpoints
 from trainer_backend.engines.base import Engine, Publisher, RoutesRows
-
-__all__ = ["Batch", "GroupPolicy", "StepResult", "TrainerConfig", "TrainerDaemon"]
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +278,7 @@ class TrainerDaemon:
             algorithm = "dr_grpo"
         parts = self.engine.route(rows) if isinstance(self.engine, RoutesRows) else None
         steps = self.credit.for_batch(rollouts, calls)
-        rows = labelling.label(algorithm, rollouts, rows, level=self.config.advantage_level, parts=parts,
+        rows = label(algorithm, rollouts, rows, level=self.config.advantage_level, parts=parts,
                                agent_rewards=self.store.agent_rewards([r.id for r in rollouts]) if parts else None,
                                credit=steps)
         # for the metrics: one advantage per rollout and policy (rollout level)

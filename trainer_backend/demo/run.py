@@ -19,6 +19,11 @@ The whole middleware path, for real:
    the weights into the running server,
 5. `report`: the same evaluation again, OUT/results.json and OUT/reward_curve.png.
 
+`TrainingLoop` is step 4: async (the default), the controller keeps rollout groups running while
+the trainer daemon updates, bounded by back-pressure; sync: sample a batch, train, swap, repeat.
+Each step adds one point to the curve (OUT/results.json). The lr warms up by step, then decays by
+the share of the RL budget spent (`lr_at`, `spent`).
+
 Ctrl-C stops everything (controller, trainer, server).
 """
 
@@ -35,17 +40,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_middleware.controller import RolloutController
+from lightning_middleware.controller import RolloutController, RolloutResult
 from lightning_middleware.rewards import RewardConfig, Scorer, load_config
 from lightning_middleware.store import TraceStore
 from trainer_backend.caching import lightning_home
+from trainer_backend.daemon.config import GroupPolicy, StepResult, TrainerConfig
 from trainer_backend.daemon.reward_gate import RewardPolicy
-from trainer_backend.daemon.trainer_daemon import GroupPolicy, TrainerConfig, TrainerDaemon
+from trainer_backend.daemon.trainer_daemon import TrainerDaemon
 from trainer_backend.demo.agent import SERVED_NAME, evaluate, make_agent
-from trainer_backend.demo.loop import TrainingLoop
-from trainer_backend.demo.outcomes import curve_summary, report_line
+from trainer_backend.demo.outcomes import curve_summary, report_line, step_outcomes
 from trainer_backend.demo.report import plot_curve
-from trainer_backend.demo.schedule import lr_at
 from trainer_backend.demo.task import make_tasks
 from trainer_backend.demo.warm_start import WarmStartConfig, warm_start
 from trainer_backend.serving.env import ensure_vllm_env
@@ -53,7 +57,7 @@ from trainer_backend.serving.publisher import WeightPublisher
 from trainer_backend.serving.server import VLLMServer
 
 if TYPE_CHECKING:  # torch is imported when training starts
-    from trainer_backend.algorithms.grpo import LossConfig
+    from trainer_backend.algorithms.losses import LossConfig
     from trainer_backend.engines.policies import PolicySet
     from trainer_backend.engines.torch_config import TorchEngineConfig
     from trainer_backend.engines.torch_engine import TorchEngine
@@ -92,6 +96,32 @@ class DemoConfig:
     rewards: str | None = None  # a reward configuration file (docs/rewards.md) every rollout is scored under
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- the lr schedule over the RL budget
+
+
+def lr_at(cfg: DemoConfig, step: int, spent: float) -> float:
+    """The learning rate of RL step `step` (1-based) with `spent` of the budget used.
+
+    Linear warm-up over the first `lr_warmup_steps` steps (Adam's first updates move every
+    weight by ~lr, whatever the gradient's size), then a linear decay by the share of the
+    budget spent, to `lr_end` at its end.
+    """
+    if step <= cfg.lr_warmup_steps:
+        return cfg.lr * step / cfg.lr_warmup_steps
+    if cfg.lr_end is None:
+        return cfg.lr
+    return cfg.lr + (cfg.lr_end - cfg.lr) * min(1.0, max(0.0, spent))
+
+
+def spent(cfg: DemoConfig, step: int, elapsed_s: float) -> float:
+    """Share of the RL budget used after `step` steps and `elapsed_s` seconds: the larger of the
+    time share and, with max_steps, the step share (a step budget ends where the time cap would)."""
+    share = elapsed_s / (cfg.minutes * 60)
+    if cfg.max_steps:
+        share = max(share, step / cfg.max_steps)
+    return share
 
 
 def run_demo(cfg: DemoConfig, run_class: type[DemoRun] | None = None,
@@ -255,7 +285,7 @@ class DemoRun:
     def _engine_config(self) -> TorchEngineConfig:
         """fp32 on every CPU kind: the recipe was tuned in fp32, and RL's probability ratios
         compare against vLLM's fp32 log-probs."""
-        from trainer_backend.algorithms.grpo import LossConfig
+        from trainer_backend.algorithms.losses import LossConfig
         from trainer_backend.engines.torch_config import TorchEngineConfig
 
         cfg = self.cfg
@@ -327,6 +357,131 @@ class DemoRun:
                 signal.signal(sig, handler)
 
 
+class TrainingLoop:
+    """The RL phase: rollouts and trainer steps, the lr schedule, the curve, the budget."""
+
+    def __init__(self, cfg: DemoConfig, controller: RolloutController, daemon: TrainerDaemon,
+                 engine: TorchEngine | PolicySet, store: TraceStore | None = None) -> None:
+        self.cfg, self.controller, self.daemon, self.engine = cfg, controller, daemon, engine
+        self.store = store  # None: success from the results' rewards (the team and arith tasks)
+        self.stopping = threading.Event()
+        self.curve: list[dict[str, Any]] = []
+        # Success over ALL train rollouts that finished since the previous step: the trained
+        # batch alone is biased (groups whose rewards are all equal carry no signal and are skipped).
+        self.finished: list[RolloutResult] = []
+        self.seen = 0
+        self.trained = 0
+        self.t0 = time.perf_counter()
+        self.bar = _progress(cfg)
+
+    def stop(self) -> None:
+        """The budget is spent: no new rollout groups (the back-pressure thread ends with the
+        flag; without this the controller would run free while the trainer finishes its step)."""
+        self.stopping.set()
+        self.controller.stop()
+        self.daemon.stop()
+
+    def on_group(self, group: list[RolloutResult]) -> None:
+        self.finished.extend(group)
+
+    def on_step(self, res: StepResult) -> None:
+        m, cfg = res.metrics, self.cfg
+        lr_used = self.engine.lr
+        # the next step's learning rate
+        self.engine.set_lr(lr_at(cfg, res.step + 1, spent(cfg, res.step, time.perf_counter() - self.t0)))
+        self.trained += int(m.get("n_rollouts", 0))
+        new, self.seen = self.finished[self.seen:], len(self.finished)
+        found = step_outcomes(self.store, new)
+        success = found.pop("success", float("nan"))
+        self.curve.append({
+            "step": res.step, "t_s": time.perf_counter() - self.t0, "version": res.policy_version,
+            "success": success, "finished": len(new), "batch_reward": m["reward_mean"],
+            # the finished rollouts' tool calls and guards; the trained batch's as the trainer logged them
+            **found, **{f"batch_{k}": v for k, v in m.items() if k == "hacking_rate" or k.startswith("guard_")},
+            "batch_success": m["success_rate"], "rollouts": m.get("n_rollouts", 0), "kl": m.get("approx_kl"),
+            "lr": lr_used, "clip_frac": m.get("clip_frac"), "step_time_s": m.get("step_time_s"),
+            "staleness_max": m.get("staleness_max"), "entropy": m.get("entropy"), "grad_norm": m.get("grad_norm"),
+            "ratio_max": m.get("ratio_max"), "clip_frac_lower": m.get("clip_frac_lower"),
+            **{k: v for k, v in m.items() if k.startswith(("skipped_", "rows_", "rank_judge_", "reward_judge"))},
+            # separate policies (the team task): each policy's share of the step
+            **{k: v for k, v in m.items() if k.endswith(("/rows", "/loss", "/updates", "/grad_norm"))}})
+        if self.bar is not None:
+            recent = [c["success"] for c in self.curve[-5:] if c["success"] == c["success"]]
+            self.bar.n = min(int(self.curve[-1]["t_s"]), int(cfg.minutes * 60))
+            self.bar.set_postfix_str(f"step {res.step}  reward {success:.2f}  "
+                                     f"avg5 {sum(recent) / max(1, len(recent)):.2f}  kl {m.get('approx_kl', 0.0):.3f}")
+            self.bar.refresh()
+        if cfg.max_steps is not None and res.step >= cfg.max_steps:
+            self.stop()
+
+    def run_async(self, tasks: list[dict[str, Any]]) -> list[threading.Thread]:
+        """Rollouts keep running while the trainer updates; returns the threads to join."""
+        cfg = self.cfg
+        rollouts = self.controller.start_continuous(tasks, n=cfg.group_size, groups_in_flight=cfg.groups_in_flight,
+                                                    on_group=self.on_group)
+        bp = threading.Thread(target=self._backpressure, daemon=True, name="demo-backpressure")
+        bp.start()
+        self.daemon.run(on_step=self.on_step)
+        self.stopping.set()
+        self.controller.stop()
+        self._close_bar()
+        rollouts.join(timeout=120)
+        bp.join(timeout=5)
+        return [rollouts, bp]
+
+    def _backpressure(self) -> None:
+        """Bounded staleness by back-pressure: at most `max_staleness` batches of train rollouts
+        running or finished and not yet trained/skipped by the daemon. Without it the generator
+        (2x faster than the trainer here) fills the pool with rollouts that go stale and are
+        dropped, and takes the CPU the trainer needs."""
+        cfg, controller = self.cfg, self.controller
+        ahead = cfg.max_staleness * cfg.groups_per_step * cfg.group_size
+        while not self.stopping.is_set():
+            taken = self.trained + sum(self.daemon.skipped_total.values())
+            outstanding = controller.in_flight + len(self.finished) - taken
+            if outstanding >= ahead and not controller.paused:
+                controller.pause()
+            elif outstanding < ahead and controller.paused:
+                controller.resume()
+            self.stopping.wait(0.1)
+        controller.resume()
+
+    def run_sync(self, tasks: list[dict[str, Any]]) -> None:
+        """Sample a batch with the current weights, train, swap, repeat (no overlap). Groups with
+        no signal (all rewards equal) are skipped by the daemon; only that many are sampled again."""
+        cfg, i, need = self.cfg, 0, self.cfg.groups_per_step
+        while not self.stopping.is_set():
+            batch = [tasks[(i + k) % len(tasks)] for k in range(need)]
+            i += need
+            self.on_group(self.controller.run(batch, n=cfg.group_size))
+            if self.stopping.is_set():
+                break
+            skipped_before = sum(self.daemon.skipped_total.values())
+            res = self.daemon.step_once()
+            if res is None:  # too few groups had signal
+                lost = sum(self.daemon.skipped_total.values()) - skipped_before
+                need = max(1, lost // cfg.group_size)
+            else:
+                need = cfg.groups_per_step
+                self.on_step(res)
+        self._close_bar()
+
+    def _close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.n = int(self.cfg.minutes * 60)
+            self.bar.close()
+            self.bar = None
+
+
+def _progress(cfg: DemoConfig) -> Any:
+    if not cfg.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=int(cfg.minutes * 60), unit="s", desc="RL", dynamic_ncols=True,
+                bar_format="{desc} {bar} {n_fmt}/{total_fmt}s {postfix}")
+
+
 def _loss_of(algo: str, loss: LossConfig) -> LossConfig:
     """GSPO's sequence-level ratio and aggregation; the other algorithms differ in their advantages."""
     return replace(loss, ratio_level="sequence", agg="seq-mean-token-mean") if algo == "gspo" else loss
@@ -335,8 +490,8 @@ def _loss_of(algo: str, loss: LossConfig) -> LossConfig:
 def _extras_of(cfg: DemoConfig) -> dict[str, Any]:
     """PPO's critic (the policy's lr, constant: the small model's value head learns at its pace)
     and DPO's beta; nothing for the outcome algorithms."""
-    from trainer_backend.algorithms.dpo import DPOConfig
-    from trainer_backend.algorithms.ppo import CriticConfig
+    from trainer_backend.algorithms.advantages import CriticConfig
+    from trainer_backend.algorithms.losses import DPOConfig
 
     if cfg.algo == "ppo":
         return {"critic": CriticConfig(lr=cfg.lr)}

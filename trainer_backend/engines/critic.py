@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification
 
-from trainer_backend.algorithms.ppo import CriticConfig, value_loss
+from trainer_backend.algorithms.advantages import CriticConfig
+from trainer_backend.algorithms.losses import value_loss
 from trainer_backend.engines.batching import MicroBatch
 
 log = logging.getLogger(__name__)

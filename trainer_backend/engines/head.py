@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from trainer_backend.algorithms.grpo import token_logprobs_entropy
-from trainer_backend.algorithms.sampling import sampled_logits
+from trainer_backend.algorithms.logprobs import sampled_logits, token_logprobs_entropy
 
 # Config attributes of models whose logits are not a plain linear layer of the hidden states.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")

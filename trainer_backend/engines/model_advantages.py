@@ -1,6 +1,6 @@
 """Advantages that need the model, computed by the engine before its update (one no-grad pass):
 
-- PPO: the critic's values at every response token, GAE per rollout (algorithms/ppo.py),
+- PPO: the critic's values at every response token, GAE per rollout (algorithms/advantages.py),
   whitened over the step; the returns are kept for the critic's update. With per-turn credit
   the rows' per-step token rewards join the rollout's reward inside GAE.
 - A KL penalty in the reward (`LossConfig.kl_in_reward_coef`, verl's `use_kl_in_reward`):
@@ -19,9 +19,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from lightning_middleware.rows import Row
-from trainer_backend.algorithms.advantages import estimate
-from trainer_backend.algorithms.grpo import LossConfig, kl_estimate
-from trainer_backend.algorithms.ppo import CriticConfig, rollout_advantages_and_returns
+from trainer_backend.algorithms.advantages import CriticConfig, estimate, rollout_advantages_and_returns
+from trainer_backend.algorithms.losses import LossConfig, kl_estimate
 from trainer_backend.engines.batching import MicroBatch
 
 Forward = Callable[[MicroBatch], torch.Tensor]  # a micro-batch -> (B, T-1) per predicted position

@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trainer_backend.algorithms.dpo import DPOConfig
-from trainer_backend.algorithms.grpo import LossConfig
-from trainer_backend.algorithms.ppo import CriticConfig
+from trainer_backend.algorithms.advantages import CriticConfig
+from trainer_backend.algorithms.losses import DPOConfig, LossConfig
 from trainer_backend.engines.lora import AdapterConfig
 
 
@@ -51,10 +50,10 @@ class TorchEngineConfig:
     warmup_steps: int = 0
     total_steps: int | None = None
     min_lr_ratio: float = 0.0
-    # PPO: a critic (the base model with a value head) and GAE advantages (algorithms/ppo.py);
+    # PPO: a critic (the base model with a value head) and GAE advantages (algorithms/advantages.py);
     # the rows' `reward` is then used and their `advantage` ignored.
     critic: CriticConfig | None = None
-    # DPO instead of a policy gradient (algorithms/dpo.py): rows labelled +1/-1 as their advantage,
+    # DPO instead of a policy gradient (algorithms/losses.py): rows labelled +1/-1 as their advantage,
     # paired by task id, against the frozen reference (reference_dir, else the start weights).
     dpo: DPOConfig | None = None
     # Train a LoRA adapter on the frozen base instead of every weight (engines/lora.py); checkpoints

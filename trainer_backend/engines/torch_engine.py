@@ -28,9 +28,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_middleware.rows import Row
-from trainer_backend.algorithms.dpo import pairs_from_rows, rollout_coefficients
-from trainer_backend.algorithms.grpo import loss_weights, policy_loss, token_logprobs_entropy
-from trainer_backend.algorithms.sampling import sampled_logits
+from trainer_backend.algorithms.advantages import pairs_from_rows
+from trainer_backend.algorithms.logprobs import sampled_logits, token_logprobs_entropy
+from trainer_backend.algorithms.losses import loss_weights, policy_loss, rollout_coefficients
 from trainer_backend.engines import head, lora, model_advantages
 from trainer_backend.engines.batching import MicroBatch, make_micro_batch, split_micro_batches, token_budget
 from trainer_backend.engines.critic import Critic
@@ -330,7 +330,7 @@ class TorchEngine:
         return grad_norm
 
     def _dpo_step(self, rows: Sequence[Row]) -> dict[str, float]:
-        """One DPO update, exact across micro-batches (the two passes of algorithms/dpo.py)."""
+        """One DPO update, exact across micro-batches (the two passes of algorithms/losses.py)."""
         assert self.config.dpo is not None
         t0 = time.perf_counter()
         pairs = pairs_from_rows([r.task_id for r in rows], [r.rollout_id for r in rows], [r.advantage for r in rows])

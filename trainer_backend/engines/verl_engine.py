@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from lightning_middleware.rows import Row
-from trainer_backend.algorithms.grpo import LossConfig
+from trainer_backend.algorithms.losses import LossConfig
 from trainer_backend.engines import lora, verl_lora
 from trainer_backend.engines.verl_loss import LOSS_MODE, LOSS_MODE_DUAL, register_policy_loss
 from trainer_backend.engines.verl_rows import rows_to_dataproto

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from trainer_backend.algorithms.grpo import LossConfig, policy_loss
+from trainer_backend.algorithms.losses import LossConfig, policy_loss
 
 LOSS_MODE = "lightning_rollout"  # registered verl policy loss; `_dual` variant applies clip_ratio_c
 LOSS_MODE_DUAL = "lightning_rollout_dual"

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from lightning_middleware.rows import Row
-from trainer_backend.algorithms.grpo import loss_weights
+from trainer_backend.algorithms.losses import loss_weights
 from trainer_backend.engines.verl_loss import WEIGHTS_KEY
 
 

@@ -22,7 +22,7 @@ from lightning_middleware.errors import UsageError
 from lightning_middleware.rows import Row
 
 if TYPE_CHECKING:  # torch: imported when training starts, not when the CLI registers `dpo`
-    from trainer_backend.algorithms.dpo import DPOConfig
+    from trainer_backend.algorithms.losses import DPOConfig
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def train_offline_dpo(data: str | Path, model_dir: str | Path, out: str | Path, 
                       lr: float = 1e-6, pairs_per_step: int = 8, epochs: int = 1, seed: int = 0,
                       precision: str = "auto", micro_batch_tokens: int = 8192) -> OfflineResult:
     """Train DPO on the file's pairs and save the result to `out`."""
-    from trainer_backend.algorithms.dpo import DPOConfig
+    from trainer_backend.algorithms.losses import DPOConfig
     from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig
 
     rows = preference_rows(data)
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--model: no model folder at {args.model}")
     if not 0 <= args.label_smoothing < 0.5 or args.beta <= 0 or args.pairs_per_step < 1 or args.epochs < 1:
         raise UsageError("need beta > 0, 0 <= label-smoothing < 0.5, pairs-per-step >= 1, epochs >= 1")
-    from trainer_backend.algorithms.dpo import DPOConfig
+    from trainer_backend.algorithms.losses import DPOConfig
 
     result = train_offline_dpo(args.data, args.model, args.out,
                                config=DPOConfig(beta=args.beta, label_smoothing=args.label_smoothing), lr=args.lr,

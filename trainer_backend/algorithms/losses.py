@@ -1,89 +1,41 @@
-"""GRPO math: group-normalised advantages, the PPO clipped loss, loss aggregation, KL, entropy.
+"""Which loss each token contributes: the PPO clipped surrogate with its clips, GSPO's sequence
+ratio, the KL to the reference, the entropy bonus, the aggregation weights, PPO's value loss, and
+DPO's loss.
 
-Conventions follow `verl.trainer.ppo.core_algos` (tests compare to it), with one
-deliberate difference: verl gives a group of one rollout mean 0 / std 1, i.e. the
-advantage R/(1+eps); we give it 0, since one sample says nothing about the baseline.
+Conventions follow `verl.trainer.ppo.core_algos` (tests compare to it). Exactness across
+micro-batches: every aggregation mode is written as a weighted sum `sum_t w_t * loss_t` whose
+weights are computed once over the whole step (all rows), so the losses of any split into
+micro-batches add up to the full-batch loss, and so do their gradients (docs/trainer.md).
 
-Exactness across micro-batches: every aggregation mode is written as a weighted sum
-`sum_t w_t * loss_t` whose weights are computed once over the whole step (all rows),
-so the losses of any split into micro-batches add up to the full-batch loss, and so
-do their gradients (docs/trainer.md).
+DPO (Rafailov et al. 2023; TRL's `loss_type="sigmoid"`, which the tests compare to):
+
+    loss = mean over pairs of -log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r)))
+
+with pi and ref the summed log-probs of a rollout's response tokens under the policy and the
+frozen reference; with `label_smoothing` e: -(1-e) log s(beta d) - e log s(-beta d). The loss is
+not a sum over tokens, so the engine first takes every rollout's summed log-probs without
+gradients, computes c_r = dL/dpi_r per rollout (`rollout_coefficients`), then back-propagates
+sum_r c_r * sum_t logp_t micro-batch by micro-batch, whose gradient is the full loss's.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
-from lightning_middleware.rows import Row
+from trainer_backend.algorithms.advantages import Pair
 
 AGG_MODES = ("rollout-token-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
 KL_KINDS = ("k1", "k2", "k3")
+
+
 RATIO_LEVELS = ("token", "sequence")
-
-
-# ---------------------------------------------------------------- advantages
-
-
-def group_normalize(
-    scores: torch.Tensor,
-    groups: Sequence[Hashable],
-    *,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """(score - group mean) / (group std + eps), std unbiased (n-1) as torch.std and verl.
-
-    Groups of one get 0. A group whose scores are all equal gets 0 (std 0, eps > 0).
-    """
-    scores = scores.detach().to(torch.float32)
-    members: dict[Hashable, list[int]] = defaultdict(list)
-    for i, g in enumerate(groups):
-        members[g].append(i)
-    out = torch.zeros_like(scores)
-    for idx in members.values():
-        if len(idx) < 2:
-            continue
-        s = scores[idx]
-        centred = s - s.mean()
-        out[idx] = centred / (s.std() + eps) if norm_by_std else centred
-    return out
-
-
-def rollout_advantages(
-    rewards: Mapping[str, float],
-    task_ids: Mapping[str, str],
-    *,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> dict[str, float]:
-    """Rollout-level GRPO: one advantage per rollout id, group = task id.
-
-    Every response token of every row of the rollout gets this value.
-    """
-    ids = list(rewards)
-    scores = torch.tensor([float(rewards[r]) for r in ids], dtype=torch.float32)
-    adv = group_normalize(scores, [task_ids[r] for r in ids], norm_by_std=norm_by_std, eps=eps)
-    return {r: float(a) for r, a in zip(ids, adv)}
-
-
-def sample_advantages(
-    rows: Sequence[Row],
-    rewards: Mapping[str, float],
-    *,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> list[float]:
-    """Ablation: each row is its own sample (verl's default view), rows of a rollout share its reward.
-
-    A rollout split into k rows counts k times in its group's mean and std.
-    """
-    scores = torch.tensor([float(rewards[r.rollout_id]) for r in rows], dtype=torch.float32)
-    adv = group_normalize(scores, [r.task_id for r in rows], norm_by_std=norm_by_std, eps=eps)
-    return adv.tolist()
 
 
 # ---------------------------------------------------------------- aggregation weights
@@ -137,7 +89,7 @@ def agg_loss(
     return (loss_mat * weights).sum()
 
 
-# ---------------------------------------------------------------- per-token terms
+# ---------------------------------------------------------------- the token loss
 
 
 @dataclass(frozen=True)
@@ -200,84 +152,6 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") ->
         d = torch.clamp(ref_logp - logp, min=-20, max=20)
         return torch.clamp(torch.exp(d) - d - 1, min=-10, max=10)
     raise ValueError(f"unknown KL estimator {kind!r}; one of {KL_KINDS}")
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim: logsumexp(z) - sum softmax(z) z."""
-    logits = logits.float()
-    p = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(dim=-1)
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[target] for each position; logits (B, T, V), targets (B, T)."""
-    logits = logits.float()
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-class _TokenLogProbs(torch.autograd.Function):
-    """log softmax(z)[target] and the entropy of softmax(z), in chunks of positions.
-
-    The same values as token_logprobs / entropy_from_logits, but the vocabulary-wide work
-    happens one cache-sized chunk at a time in fp32 while the (N, V) logits stay in their own
-    dtype (bf16 in the bf16 modes): no fp32 copy of the logits, no dense zero gradient for
-    the gather, no saved softmax. Backward recomputes softmax per chunk:
-        dlogp/dz = onehot(target) - p,    dH/dz = -p * (log p + H).
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, with_entropy: bool, chunk: int):
-        z2 = logits.reshape(-1, logits.shape[-1])
-        t2 = targets.reshape(-1, 1)
-        n = z2.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
-        ent = torch.empty(n, dtype=torch.float32, device=logits.device) if with_entropy else None
-        for i in range(0, n, chunk):
-            zf = z2[i:i + chunk].float()
-            lse_c = torch.logsumexp(zf, dim=-1)
-            lse[i:i + chunk] = lse_c
-            logp[i:i + chunk] = zf.gather(-1, t2[i:i + chunk]).squeeze(-1) - lse_c
-            if ent is not None:
-                lp = zf - lse_c.unsqueeze(-1)  # not in place: .float() of fp32 logits is the logits
-                ent[i:i + chunk] = -(lp.exp() * lp).sum(-1)
-        ctx.save_for_backward(logits, targets, lse, ent if ent is not None else lse)
-        ctx.with_entropy, ctx.chunk = with_entropy, chunk
-        shape = logits.shape[:-1]
-        if ent is None:
-            return logp.view(shape), None
-        return logp.view(shape), ent.view(shape)
-
-    @staticmethod
-    def backward(ctx, g_logp, g_ent):
-        logits, targets, lse, ent = ctx.saved_tensors
-        z2 = logits.reshape(-1, logits.shape[-1])
-        t2 = targets.reshape(-1, 1)
-        n = z2.shape[0]
-        g_lp = g_logp.reshape(-1, 1).float() if g_logp is not None else torch.zeros(n, 1, device=logits.device)
-        g_h = g_ent.reshape(-1, 1).float() if (g_ent is not None and ctx.with_entropy) else None
-        grad = torch.empty_like(logits).reshape(-1, logits.shape[-1])
-        c = ctx.chunk
-        for i in range(0, n, c):
-            lp = z2[i:i + c].float() - lse[i:i + c].unsqueeze(-1)  # log p (a new tensor, so in-place below is safe)
-            p = lp.exp()
-            gz = p * -g_lp[i:i + c]
-            if g_h is not None:
-                gz -= p * lp.add_(ent[i:i + c].unsqueeze(-1)) * g_h[i:i + c]
-            gz.scatter_add_(-1, t2[i:i + c], g_lp[i:i + c])
-            grad[i:i + c] = gz
-        return grad.view_as(logits), None, None, None
-
-
-def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool = True,
-                           chunk: int = 32) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log-probs of the targets, entropies or None), fp32, shape logits.shape[:-1]; differentiable in both.
-
-    Memory-light and fast form of token_logprobs + entropy_from_logits for training: see _TokenLogProbs.
-    """
-    if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree")
-    return _TokenLogProbs.apply(logits, targets, with_entropy, chunk)
 
 
 # ---------------------------------------------------------------- the step loss
@@ -384,3 +258,68 @@ def policy_loss(
     sums.update(tis_sums)
     sums["loss"] = loss.detach()
     return loss, sums
+
+
+# ---------------------------------------------------------------- PPO's value loss
+
+
+def value_loss(vpreds: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, weights: torch.Tensor,
+               cliprange_value: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """verl's compute_value_loss with the step's aggregation weights (so micro-batches add up):
+    0.5 sum_t w_t max((V - R)^2, (clip(V, V_old -/+ c) - R)^2)."""
+    clipped = torch.clamp(vpreds, old_values - cliprange_value, old_values + cliprange_value)
+    loss1 = (vpreds - returns).square()
+    loss2 = (clipped - returns).square()
+    mask = (weights != 0).float()
+    loss = 0.5 * (torch.maximum(loss1, loss2) * weights).sum()
+    return loss, {
+        "vf_loss": loss.detach(),
+        "vf_clipped_tokens": ((loss2 > loss1).float() * mask).sum(),
+        "vpred_sum": (vpreds.detach() * mask).sum(),
+        "vf_err_sum": ((vpreds.detach() - returns) * mask).sum(),
+        "vf_sq_err_sum": ((vpreds.detach() - returns).square() * mask).sum(),
+        "return_sum": (returns * mask).sum(),
+        "return_sq_sum": (returns.square() * mask).sum(),
+        "tokens": mask.sum(),
+    }
+
+
+# ---------------------------------------------------------------- DPO
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    beta: float = 0.1
+    label_smoothing: float = 0.0  # cDPO: the probability that a pair's label is flipped
+
+
+def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
+             cfg: DPOConfig = DPOConfig()) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(mean loss over pairs, TRL's metrics): all inputs are summed log-probs, one per pair."""
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    logits = cfg.beta * (chosen_ratio - rejected_ratio)
+    e = cfg.label_smoothing
+    losses = -(1 - e) * F.logsigmoid(logits) - e * F.logsigmoid(-logits)
+    chosen_rewards, rejected_rewards = cfg.beta * chosen_ratio.detach(), cfg.beta * rejected_ratio.detach()
+    return losses.mean(), {
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+        "logps/chosen": chosen.detach().mean(),
+        "logps/rejected": rejected.detach().mean(),
+    }
+
+
+def rollout_coefficients(pairs: Sequence[Pair], logp: Mapping[str, float], ref_logp: Mapping[str, float],
+                         cfg: DPOConfig) -> tuple[dict[str, float], dict[str, float]]:
+    """(dL/dpi_r per rollout, the step's metrics incl. the loss), from summed log-probs by rollout id."""
+    def stack(ids: list[str], source: Mapping[str, float], grad: bool) -> torch.Tensor:
+        return torch.tensor([source[i] for i in ids], dtype=torch.float64, requires_grad=grad)
+
+    chosen_ids, rejected_ids = [p.chosen for p in pairs], [p.rejected for p in pairs]
+    pc, pr = stack(chosen_ids, logp, True), stack(rejected_ids, logp, True)
+    loss, metrics = dpo_loss(pc, pr, stack(chosen_ids, ref_logp, False), stack(rejected_ids, ref_logp, False), cfg)
+    gc, gr = torch.autograd.grad(loss, (pc, pr))
+    coef = {**dict(zip(chosen_ids, gc.tolist())), **dict(zip(rejected_ids, gr.tolist()))}
+    return coef, {"dpo_loss": float(loss), **{k.replace("/", "_"): float(v) for k, v in metrics.items()}}
