@@ -181,3 +181,24 @@ def test_truncated_importance_sampling_weights_each_token_by_the_capped_ratio():
     assert sums["tis_truncated_tokens"].item() == 1 and sums["tis_weight_sum"].item() == pytest.approx(w.sum().item())
     with pytest.raises(ValueError, match="behaviour_logp"):
         policy_loss(logp, logp.detach(), adv, weights, cfg)
+
+
+def test_one_table_names_every_algorithm_and_what_it_means() -> None:
+    """`--algo` is a key in `registry.TABLE`: the settings accept exactly its names, every outcome
+    algorithm has its estimator and no other does, and an unknown name is one clear error."""
+    import typing
+
+    from trainer_backend.algorithms import registry
+    from trainer_backend.algorithms.advantages import ESTIMATORS
+    from trainer_backend.daemon.settings import AlgorithmSettings, TrainerSettings
+
+    assert typing.get_args(AlgorithmSettings.model_fields["name"].annotation) == registry.ALGORITHMS
+    assert sorted(ESTIMATORS) == sorted(registry.OUTCOME)
+    assert [n for n in registry.ALGORITHMS if registry.trains_uniform_groups(n)] == ["ppo"]
+    assert "dpo" not in registry.PER_TURN_ALGORITHMS and "ppo" in registry.PER_TURN_ALGORITHMS
+    with pytest.raises(ValueError, match="unknown algorithm 'ppo2'; one of grpo, "):
+        registry.get("ppo2")
+    gspo = TrainerSettings.load(None, {"algorithm.name": "gspo"}).loss_config()
+    assert (gspo.ratio_level, gspo.agg) == ("sequence", "seq-mean-token-mean")
+    grpo = TrainerSettings.load(None, {"algorithm.name": "grpo"}).loss_config()
+    assert (grpo.ratio_level, grpo.agg) == ("token", "rollout-token-mean")

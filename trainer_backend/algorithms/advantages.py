@@ -63,7 +63,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter, defaultdict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,7 +72,7 @@ from lightning_middleware import TraceStore
 from lightning_middleware.records import LLMCall, Rollout
 from lightning_middleware.rewards.steps import completion_spans, token_rewards
 from lightning_middleware.rows import Row, with_advantages
-from trainer_backend.algorithms.registry import ADVANTAGE_LEVELS, OUTCOME, check, check_credit
+from trainer_backend.algorithms.registry import ADVANTAGE_LEVELS, OUTCOME, check_credit, get
 
 # ---------------------------------------------------------------- outcome advantages
 
@@ -131,24 +131,34 @@ def whiten_by_tokens(values: torch.Tensor, tokens: torch.Tensor, eps: float = 1e
     return ((v - mean) * torch.rsqrt(var + eps)).to(values.dtype)
 
 
+def _reinforce_pp(scores: torch.Tensor, groups: Sequence[Hashable], tokens: torch.Tensor, eps: float
+                  ) -> torch.Tensor:
+    centred = group_centre(scores, groups)
+    size = Counter(groups)
+    trained = torch.tensor([t > 0 and size[g] > 1 for g, t in zip(groups, tokens.tolist())])
+    out = torch.zeros_like(centred)
+    if trained.any():  # groups of one take no part: their advantage stays 0
+        out[trained] = whiten_by_tokens(centred[trained], tokens[trained])
+    return out
+
+
+Estimator = Callable[[torch.Tensor, Sequence[Hashable], torch.Tensor, float], torch.Tensor]
+# The outcome estimators by name (registry.OUTCOME): (scores, group ids, response tokens, eps) per sample.
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": lambda s, g, t, eps: group_normalize(s, g, norm_by_std=True, eps=eps),
+    "gspo": lambda s, g, t, eps: group_normalize(s, g, norm_by_std=True, eps=eps),
+    "dr_grpo": lambda s, g, t, eps: group_normalize(s, g, norm_by_std=False),
+    "rloo": lambda s, g, t, eps: group_centre(s, g, leave_one_out=True),
+    "reinforce_pp": _reinforce_pp,
+}
+
+
 def estimate(algorithm: str, scores: torch.Tensor, groups: Sequence[Hashable], tokens: torch.Tensor,
              *, eps: float = 1e-6) -> torch.Tensor:
     """One advantage per sample (scores and token counts per sample, group ids)."""
-    if algorithm in ("grpo", "gspo"):
-        return group_normalize(scores, groups, norm_by_std=True, eps=eps)
-    if algorithm == "dr_grpo":
-        return group_normalize(scores, groups, norm_by_std=False)
-    if algorithm == "rloo":
-        return group_centre(scores, groups, leave_one_out=True)
-    if algorithm == "reinforce_pp":
-        centred = group_centre(scores, groups)
-        size = Counter(groups)
-        trained = torch.tensor([t > 0 and size[g] > 1 for g, t in zip(groups, tokens.tolist())])
-        out = torch.zeros_like(centred)
-        if trained.any():  # groups of one take no part: their advantage stays 0
-            out[trained] = whiten_by_tokens(centred[trained], tokens[trained])
-        return out
-    raise ValueError(f"unknown algorithm {algorithm!r}; one of {OUTCOME}")
+    if algorithm not in ESTIMATORS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; one of {OUTCOME}")
+    return ESTIMATORS[algorithm](scores, groups, tokens, eps)
 
 
 def advantages_for(algorithm: str, rollouts: Sequence[Rollout], rows: Sequence[Row], *,
@@ -500,10 +510,10 @@ def label_rows(name: str, rollouts: Sequence[Rollout], rows: Sequence[Row], *, l
                ) -> tuple[list[Row], list[float]]:
     """The rows to train and each one's advantage (DPO: its +1/-1 label; PPO: 0, the engine's
     critic computes them)."""
-    check(name)
-    if name == "ppo":
+    kind = get(name).advantage
+    if kind == "critic":
         return list(rows), [0.0] * len(rows)
-    if name == "dpo":
+    if kind == "pairs":
         have = {r.rollout_id for r in rows}
         pairs = [p for p in pairs_from_groups(rollouts) if p.chosen in have and p.rejected in have]
         labels: Mapping[str, float] = preference_advantages(pairs)

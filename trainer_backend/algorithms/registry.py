@@ -15,23 +15,61 @@ Light (no torch): the daemon's config and the CLI validate names with it.
 
 from __future__ import annotations
 
-OUTCOME = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo")
-ALGORITHMS = (*OUTCOME, "ppo", "dpo")
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """What `--algo NAME` means to the daemon and the engine."""
+
+    name: str
+    # "outcome": one advantage per sample from its reward, by `advantages.ESTIMATORS[name]`;
+    # "critic": GAE from PPO's value model; "pairs": DPO's +1 / -1 labels of a group's best and worst.
+    advantage: str
+    loss: str = "surrogate"  # "surrogate": PPO's clipped surrogate (losses.policy_loss); "dpo"
+    ratio_level: str = "token"  # the surrogate's ratio: per token, or GSPO's per sequence
+    agg: str | None = None  # the loss aggregation it defaults to (None: the configured one)
+
+    @property
+    def trains_uniform_groups(self) -> bool:
+        """PPO learns from a group whose rewards are all equal (its critic's baseline is not the
+        group's); the group-relative algorithms and DPO get no signal from one."""
+        return self.advantage == "critic"
+
+    @property
+    def per_turn(self) -> bool:
+        """Per-turn credit needs per-token advantages; DPO compares whole rollouts."""
+        return self.advantage != "pairs"
+
+
+TABLE: dict[str, Algorithm] = {a.name: a for a in (
+    Algorithm("grpo", "outcome"),
+    Algorithm("dr_grpo", "outcome"),
+    Algorithm("rloo", "outcome"),
+    Algorithm("reinforce_pp", "outcome"),
+    Algorithm("gspo", "outcome", ratio_level="sequence", agg="seq-mean-token-mean"),
+    Algorithm("ppo", "critic"),
+    Algorithm("dpo", "pairs", loss="dpo"),
+)}
+ALGORITHMS = tuple(TABLE)
+OUTCOME = tuple(n for n, a in TABLE.items() if a.advantage == "outcome")
+PER_TURN_ALGORITHMS = tuple(n for n, a in TABLE.items() if a.per_turn)
 CREDITS = ("rollout", "per-turn")
-PER_TURN_ALGORITHMS = (*OUTCOME, "ppo")
 ADVANTAGE_LEVELS = ("rollout", "sample")
 
 
-def check(name: str) -> str:
-    if name not in ALGORITHMS:
+def get(name: str) -> Algorithm:
+    if name not in TABLE:
         raise ValueError(f"unknown algorithm {name!r}; one of {', '.join(ALGORITHMS)}")
-    return name
+    return TABLE[name]
+
+
+def check(name: str) -> str:
+    return get(name).name
 
 
 def trains_uniform_groups(name: str) -> bool:
-    """PPO learns from a group whose rewards are all equal (its critic's baseline is not the
-    group's); the group-relative algorithms and DPO get no signal from one."""
-    return check(name) == "ppo"
+    return get(name).trains_uniform_groups
 
 
 def check_credit(credit: str, algorithm: str, *, level: str = "rollout", gamma: float = 1.0,

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lightning_middleware.errors import UsageError
 from trainer_backend.algorithms import registry
-from trainer_backend.algorithms.registry import OUTCOME, trains_uniform_groups
+from trainer_backend.algorithms.registry import OUTCOME, get, trains_uniform_groups
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -264,15 +264,16 @@ class TrainerSettings(_Section):
     def loss_config(self) -> Any:
         from trainer_backend.algorithms.losses import LossConfig
 
-        agg = self.algorithm.loss_agg
-        if self.algorithm.name == "gspo" and "loss_agg" not in self.algorithm.model_fields_set:
-            agg = "seq-mean-token-mean"  # GSPO's sequence-level objective
+        algo = get(self.algorithm.name)
+        agg: str = self.algorithm.loss_agg
+        if algo.agg is not None and "loss_agg" not in self.algorithm.model_fields_set:
+            agg = algo.agg  # GSPO's sequence-level objective
         in_reward = self.loss.kl_in == "reward"
         return LossConfig(agg=agg, clip_low=self.loss.clip_low, clip_high=self.loss.clip_high,
                           dual_clip_c=self.loss.dual_clip, kl_coef=0.0 if in_reward else self.loss.kl_coef,
                           kl_in_reward_coef=self.loss.kl_coef if in_reward else 0.0, kl_kind=self.loss.kl_estimator,
                           entropy_coef=self.loss.entropy_coef, tis_threshold=self.loss.tis_threshold,
-                          ratio_level="sequence" if self.algorithm.name == "gspo" else "token",
+                          ratio_level=algo.ratio_level,
                           advantage=self.algorithm.name if self.algorithm.name in OUTCOME else "grpo")
 
     def engine_config(self) -> Any:

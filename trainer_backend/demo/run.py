@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_middleware.controller import RolloutController, RolloutResult
 from lightning_middleware.rewards import RewardConfig, Scorer, load_config
 from lightning_middleware.store import TraceStore
+from trainer_backend.algorithms.registry import get
 from trainer_backend.caching import lightning_home
 from trainer_backend.daemon.config import GroupPolicy, StepResult, TrainerConfig
 from trainer_backend.daemon.reward_gate import RewardPolicy
@@ -483,8 +484,9 @@ def _progress(cfg: DemoConfig) -> Any:
 
 
 def _loss_of(algo: str, loss: LossConfig) -> LossConfig:
-    """GSPO's sequence-level ratio and aggregation; the other algorithms differ in their advantages."""
-    return replace(loss, ratio_level="sequence", agg="seq-mean-token-mean") if algo == "gspo" else loss
+    """The algorithm's own ratio and aggregation (GSPO's sequence level); the others differ in their advantages."""
+    a = get(algo)
+    return replace(loss, ratio_level=a.ratio_level, agg=a.agg or loss.agg)
 
 
 def _extras_of(cfg: DemoConfig) -> dict[str, Any]:
