@@ -4,6 +4,7 @@
 - no import cycles between the modules of the three packages, nor between their sub-packages
   (arrows between folders run one way: `gateway` uses `capture` and `rewards`, never the reverse);
 - no `from our_module import _private` anywhere (packages, tests, benchmarks);
+- no two modules share a basename unless they play the same role in their folders (`SAME_ROLE`);
 - no source module over 1,000 lines (size follows role: a cohesive module that reads top to bottom
   may be long; this catches a module that has become two), and every sub-package says what lives in it.
 """
@@ -171,6 +172,21 @@ def test_arrows_between_folders_run_one_way() -> None:
     graph = folder_graph()
     assert {"lightning_middleware.capture", "lightning_middleware.asgi"} <= graph["lightning_middleware.gateway"]
     assert _cycles(graph) == []
+
+
+# Basenames several folders use for the same role: a package's CLI and configuration, its protocols,
+# and the two sides (the gateway's, the in-process transport's) of format translation.
+SAME_ROLE = {"__init__", "cli", "config", "base", "translation"}
+
+
+def test_a_basename_names_one_role() -> None:
+    """A newcomer guesses the file from its name: `labelling.py` was both a web app and advantage
+    labelling, `responses.py` both the Responses API and raw ASGI replies."""
+    seen: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        seen.setdefault(path.stem, []).append(module)
+    shared = {name: mods for name, mods in seen.items() if len(mods) > 1 and name not in SAME_ROLE}
+    assert not shared, shared
 
 
 def test_the_cycle_check_finds_a_cycle() -> None:

@@ -11,7 +11,7 @@ transcripts, dataset export.
 Importing this package stays light: pandas is imported by the functions that need it.
 """
 
-from lightning_middleware.analysis.drift import DriftRow, DriftSummary, drift_summary, format_drift
+from lightning_middleware.analysis.drift_summary import DriftRow, DriftSummary, drift_summary, format_drift
 from lightning_middleware.analysis.frames import (
                                                   DEFAULT_SUCCESS_THRESHOLD,
                                                   load_calls,

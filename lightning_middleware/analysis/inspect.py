@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from lightning_middleware.analysis.drift import drift_summary, format_drift
+from lightning_middleware.analysis.drift_summary import drift_summary, format_drift
 from lightning_middleware.store import TraceStore, default_store_url, open_store
 
 

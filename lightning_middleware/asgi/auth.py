@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_middleware.asgi.errors import GatewayConfigError, HTTPError
+from lightning_middleware.asgi.error_replies import GatewayConfigError, HTTPError
 
 TOKEN_ENV = "LIGHTNING_GATEWAY_TOKEN"
 _TOKEN_RE = re.compile(r"[\x21-\x7e]+")  # visible ASCII: what an Authorization header carries intact

@@ -7,7 +7,7 @@ bearer-token auth; `GatewayClient` drives its rollout routes with safe retries.
 """
 
 from lightning_middleware.asgi.auth import TOKEN_ENV
-from lightning_middleware.asgi.errors import GatewayConfigError
+from lightning_middleware.asgi.error_replies import GatewayConfigError
 from lightning_middleware.gateway.app import GatewayApp
 from lightning_middleware.gateway.client import GatewayClient, GatewayClientError
 from lightning_middleware.gateway.forwarding import POLICY_HEADER, UPSTREAM_HEADER

@@ -7,7 +7,7 @@ import asyncio
 import time
 from typing import Any
 
-from lightning_middleware.asgi.errors import HTTPError
+from lightning_middleware.asgi.error_replies import HTTPError
 
 PAUSE_MODES = ("wait", "reject")
 

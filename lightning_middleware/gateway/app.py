@@ -7,12 +7,12 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_middleware.asgi.errors import HTTPError, error_reply
+from lightning_middleware.asgi.error_replies import HTTPError, error_reply
 from lightning_middleware.asgi.replies import Receive, Scope, Send
-from lightning_middleware.gateway.registry import check_rollout_id
 from lightning_middleware.gateway.requests import check_headers, parse_object, proxy_route, receive_body
 from lightning_middleware.gateway.reward_keys import IDEMPOTENCY_HEADER
 from lightning_middleware.gateway.rollout_policies import policies_from_metadata
+from lightning_middleware.gateway.rollouts import check_rollout_id
 from lightning_middleware.records import Rollout, RolloutStatus
 
 if TYPE_CHECKING:  # the gateway builds its app: a type-only import keeps the arrow one-way

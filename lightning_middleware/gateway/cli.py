@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from lightning_middleware.asgi.auth import TOKEN_ENV
-from lightning_middleware.asgi.errors import GatewayConfigError
+from lightning_middleware.asgi.error_replies import GatewayConfigError
 from lightning_middleware.asgi.replies import bind_socket
 from lightning_middleware.errors import UsageError
 from lightning_middleware.gateway.service import KEEP_ALIVE_S, Gateway

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from lightning_middleware.asgi.errors import HTTPError, failure_name, unreachable, upstream_error
+from lightning_middleware.asgi.error_replies import HTTPError, failure_name, unreachable, upstream_error
 from lightning_middleware.asgi.replies import Full, Headers, reply_headers
 from lightning_middleware.capture import (
     AGENT_HEADER,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_middleware import fastjson
-from lightning_middleware.asgi.errors import HTTPError
+from lightning_middleware.asgi.error_replies import HTTPError
 from lightning_middleware.asgi.replies import JSON_HEADERS, Headers
 from lightning_middleware.records import LLMCall
 

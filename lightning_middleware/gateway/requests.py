@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_middleware import fastjson
-from lightning_middleware.asgi.errors import HTTPError
+from lightning_middleware.asgi.error_replies import HTTPError
 from lightning_middleware.asgi.replies import Receive
 
 MAX_DEPTH = 1024  # JSON nesting orjson accepts; deeper bodies get a 400

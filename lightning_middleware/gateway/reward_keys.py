@@ -23,10 +23,10 @@ import json
 from typing import Any
 
 from lightning_middleware import fastjson
-from lightning_middleware.asgi.errors import HTTPError
+from lightning_middleware.asgi.error_replies import HTTPError
 from lightning_middleware.asgi.replies import JSON_HEADERS, Full
-from lightning_middleware.gateway.registry import REWARD_KEY_FIELD, RolloutRegistry, check_rollout_id
 from lightning_middleware.gateway.replay import Cached, ReplayCache
+from lightning_middleware.gateway.rollouts import REWARD_KEY_FIELD, RolloutRegistry, check_rollout_id
 from lightning_middleware.records import Reward
 
 IDEMPOTENCY_HEADER = "idempotency-key"

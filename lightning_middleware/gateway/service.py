@@ -32,7 +32,7 @@ with an `Idempotency-Key` is stored once (`reward_keys`); a rollout may carry it
 agent -> policy map (`rollout_policies`).
 
 The parts, one module each: `admission` (the pause gate), `upstreams` (replica choice and
-health), `replay` (retries answered from the first call), `registry` (rollouts over HTTP),
+health), `replay` (retries answered from the first call), `rollouts` (rollouts over HTTP),
 `rollout_policies`, `reward_keys`, `client` (`GatewayClient`),
 `requests` (raw ASGI requests), `translation` (other formats as chat completions), `app` (routes),
 `cli`; the HTTP layer it shares with the review page is `lightning_middleware.asgi`. Heavy imports
@@ -52,17 +52,17 @@ from typing import Any
 
 from lightning_middleware import fastjson
 from lightning_middleware.asgi.auth import TOKEN_ENV, check_bearer, check_client, checked_token, is_loopback
-from lightning_middleware.asgi.errors import GatewayConfigError, HTTPError, error_reply, upstream_error
+from lightning_middleware.asgi.error_replies import GatewayConfigError, HTTPError, error_reply, upstream_error
 from lightning_middleware.asgi.replies import Full, Scope, Send, StreamResponse, bind_socket
 from lightning_middleware.capture import ROLLOUT_HEADER, scrub_secrets
 from lightning_middleware.formats import FORMATS, Format
 from lightning_middleware.gateway.admission import PAUSE_MODES, PauseGate
 from lightning_middleware.gateway.app import GatewayApp
 from lightning_middleware.gateway.forwarding import POLICY_HEADER, Forwarder, Upstreamed
-from lightning_middleware.gateway.registry import RolloutEntry, RolloutRegistry
 from lightning_middleware.gateway.replay import Cached, Flight, ReplayCache, answer_from_record, is_retry
 from lightning_middleware.gateway.requests import Receive, parse_object, receive_body
 from lightning_middleware.gateway.reward_keys import MAX_KEY_CHARS, RewardKeys
+from lightning_middleware.gateway.rollouts import RolloutEntry, RolloutRegistry
 from lightning_middleware.gateway.translation import TranslatedCall, in_format, translate_call
 from lightning_middleware.gateway.upstreams import Upstream, UpstreamPool
 from lightning_middleware.records import new_id

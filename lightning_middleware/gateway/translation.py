@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from lightning_middleware import fastjson
-from lightning_middleware.asgi.errors import HTTPError
+from lightning_middleware.asgi.error_replies import HTTPError
 from lightning_middleware.asgi.replies import Full
 from lightning_middleware.capture import Source
 from lightning_middleware.formats import Format, TranslationError, store_history

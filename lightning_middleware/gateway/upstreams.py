@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # aiohttp and yarl are imported when the gateway starts
     import aiohttp
     import yarl
 
-from lightning_middleware.asgi.errors import GatewayConfigError, failure_name
+from lightning_middleware.asgi.error_replies import GatewayConfigError, failure_name
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning_middleware.asgi.auth import check_bearer, check_client
-from lightning_middleware.asgi.errors import HTTPError, error_reply
+from lightning_middleware.asgi.error_replies import HTTPError, error_reply
 from lightning_middleware.records import Reward, Rollout
 from lightning_middleware.rewards.combine import Scorer
 from lightning_middleware.rewards.page import PAGE

@@ -4,8 +4,8 @@ credential scan the test suite runs on every store it writes."""
 
 from lightning_middleware.testing.llm_script import render_chat, tokenize
 from lightning_middleware.testing.llm_server import LLMTestServer, free_port, process_cpu_seconds
+from lightning_middleware.testing.llm_transport import TEST_BASE_URL, llm_http_client, llm_transport
 from lightning_middleware.testing.postgres import PostgresTestServer
-from lightning_middleware.testing.transport import TEST_BASE_URL, llm_http_client, llm_transport
 
 __all__ = [
     "LLMTestServer",

@@ -15,7 +15,7 @@ import pytest
 
 from lightning_middleware import TraceStore, agent_scope, rollout, wrap
 from lightning_middleware.testing import TEST_BASE_URL, LLMTestServer, llm_http_client, llm_transport
-from lightning_middleware.testing.transport import transport_class
+from lightning_middleware.testing.llm_transport import transport_class
 from tests.formats.conversations import (
     QUESTION,
     anthropic_turns,

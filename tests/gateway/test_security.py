@@ -20,7 +20,7 @@ import sqlalchemy as sa
 
 from lightning_middleware import TraceStore, rollout, wrap
 from lightning_middleware.asgi.auth import check_bearer, tokens_match
-from lightning_middleware.asgi.errors import HTTPError
+from lightning_middleware.asgi.error_replies import HTTPError
 from lightning_middleware.gateway import Gateway, GatewayApp, GatewayConfigError
 from lightning_middleware.gateway.requests import proxy_paths, proxy_route
 from lightning_middleware.testing import TEST_BASE_URL, LLMTestServer, llm_http_client

@@ -47,7 +47,7 @@ def test_env_locations(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 def test_server_pythonpath_exposes_only_trainer_backend(tmp_path: Path) -> None:
     path = serving.make_server_pythonpath(tmp_path / "p")
     assert [p.name for p in path.iterdir()] == ["trainer_backend"]
-    assert (path / "trainer_backend" / "serving" / "worker.py").exists()
+    assert (path / "trainer_backend" / "serving" / "worker_extension.py").exists()
     env = serving.server_env("cpu", 2, path)
     assert env["PYTHONPATH"].split(":")[0] == str(path)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"

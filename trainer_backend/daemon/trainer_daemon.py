@@ -44,7 +44,6 @@ from lightning_middleware import PolicyVersion, Rollout, TraceStore, TrainStep
 from lightning_middleware.records import Event
 from lightning_middleware.rows import RowStats, build_rows_for_rollouts
 from lightning_middleware.store import LeaseLost, StoreError, get_store
-from trainer_backend.algorithms.advantages import TurnCredit, label
 from trainer_backend.daemon.config import Batch, StepResult, TrainerConfig
 from trainer_backend.daemon.drift import DriftWatch
 from trainer_backend.daemon.monitoring import HealthChecks
@@ -73,6 +72,9 @@ class TrainerDaemon:
         self.health = HealthChecks(config.health)
         self.drift = drift or DriftWatch(self.store, source=config.trainer_id)
         self.rewards = RewardGate(self.store, config.rewards, source=config.trainer_id)
+        # torch comes with the advantages: imported here, so registering the CLI stays light
+        from trainer_backend.algorithms.advantages import TurnCredit
+
         self.credit = TurnCredit(self.store, config.credit, config.credit_gamma)
         self.evaluation = (PeriodicEvaluation(config.eval, self.store, config.checkpoint_dir)
                            if config.eval is not None else None)
@@ -278,6 +280,8 @@ class TrainerDaemon:
             algorithm = "dr_grpo"
         parts = self.engine.route(rows) if isinstance(self.engine, RoutesRows) else None
         steps = self.credit.for_batch(rollouts, calls)
+        from trainer_backend.algorithms.advantages import label
+
         rows = label(algorithm, rollouts, rows, level=self.config.advantage_level, parts=parts,
                                agent_rewards=self.store.agent_rewards([r.id for r in rollouts]) if parts else None,
                                credit=steps)

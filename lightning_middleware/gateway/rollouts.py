@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_middleware.asgi.errors import HTTPError
+from lightning_middleware.asgi.error_replies import HTTPError
 from lightning_middleware.capture import RolloutState
 from lightning_middleware.gateway.requests import is_rollout_id, short_text
 from lightning_middleware.gateway.rollout_policies import policies_from_body, policies_from_metadata, with_policies

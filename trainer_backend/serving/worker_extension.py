@@ -1,6 +1,6 @@
 """vLLM worker extension, loaded inside the vLLM server process.
 
-Started with ``--worker-extension-cls trainer_backend.serving.worker.LightningWorkerExtension``
+Started with ``--worker-extension-cls trainer_backend.serving.worker_extension.LightningWorkerExtension``
 (the launcher puts a folder holding only this package on the server's PYTHONPATH).
 vLLM mixes this class into its worker, so ``self`` is the worker: its methods are
 reachable over HTTP with ``POST /collective_rpc {"method": "lightning_reload", ...}``
