@@ -1,4 +1,4 @@
-"""The chunked output layer (engines/head.py) and the activation budget: the same log-probs,
+"""The chunked output layer (algorithms/logprobs.py) and the activation budget: the same log-probs,
 entropies, losses and gradients as the full-vocabulary path, on the edge cases."""
 
 from __future__ import annotations
@@ -12,14 +12,16 @@ torch = pytest.importorskip("torch")
 
 from lightning_middleware.rows import Row  # noqa: E402
 from tests.trainer.tiny_models import save_tiny_qwen2  # noqa: E402
-from trainer_backend.algorithms.logprobs import (  # noqa: E402
+from trainer_backend.algorithms.logprobs import (  # noqa: E402  # noqa: E402
+    chunk_positions,
     entropy_from_logits,
+    head_logprobs,
     sampled_logits,  # noqa: E402
+    split_head,
     token_logprobs,
 )
 from trainer_backend.algorithms.losses import LossConfig  # noqa: E402
 from trainer_backend.engines.batching import activation_bytes_per_token  # noqa: E402
-from trainer_backend.engines.head import chunk_positions, head_logprobs, split_head  # noqa: E402
 from trainer_backend.engines.lora import AdapterConfig  # noqa: E402
 from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 

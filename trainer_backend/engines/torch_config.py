@@ -24,7 +24,7 @@ class TorchEngineConfig:
     # 8,192 tokens would keep ~15 GB). None: micro_batch_tokens alone.
     activation_budget_mb: float | None = 4096
     # The output layer and log-softmax run on chunks of positions whose fp32 logits fit in this many
-    # MB, recomputed in backward (engines/head.py); one chunk, no recompute, when all fit. None:
+    # MB, recomputed in backward (algorithms/logprobs.py); one chunk, no recompute, when all fit. None:
     # the model's own forward computes all kept positions' logits at once.
     logits_budget_mb: float | None = 256
     old_logprobs: str = "behaviour"  # "behaviour" (vLLM's) | "recompute" (current weights, before the update)

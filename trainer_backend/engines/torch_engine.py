@@ -29,9 +29,15 @@ from transformers import AutoModelForCausalLM
 
 from lightning_middleware.rows import Row
 from trainer_backend.algorithms.advantages import pairs_from_rows
-from trainer_backend.algorithms.logprobs import sampled_logits, token_logprobs_entropy
+from trainer_backend.algorithms.logprobs import (
+    chunk_positions,
+    head_logprobs,
+    sampled_logits,
+    split_head,
+    token_logprobs_entropy,
+)
 from trainer_backend.algorithms.losses import loss_weights, policy_loss, rollout_coefficients
-from trainer_backend.engines import head, lora, model_advantages
+from trainer_backend.engines import lora, model_advantages
 from trainer_backend.engines.batching import MicroBatch, make_micro_batch, split_micro_batches, token_budget
 from trainer_backend.engines.critic import Critic
 from trainer_backend.engines.precision import resolve_precision
@@ -185,7 +191,7 @@ class TorchEngine:
         logits: prompts and tool results are most of an agent's tokens, and the
         output layer plus the vocabulary softmax are a large share of a small
         model's step. Other positions read 0 and carry weight 0 everywhere.
-        The output layer runs in chunks of positions (engines/head.py) so that only
+        The output layer runs in chunks of positions (algorithms/logprobs.py) so that only
         `logits_budget_mb` of logits live at once; the vocabulary-wide work (log-softmax,
         entropy, their backward) runs in cache-sized chunks on the logits in their own
         dtype (grpo.token_logprobs_entropy).
@@ -195,13 +201,13 @@ class TorchEngine:
         sampling = tuple(None if t is None else t.to(self.device)[:, keep]
                          for t in (mb.temperature, mb.top_p, mb.top_k))
         ids, attn = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
-        split = head.split_head(model) if self.config.logits_budget_mb is not None else None
+        split = split_head(model) if self.config.logits_budget_mb is not None else None
         with self._autocast():
             if split is not None:
                 decoder, out = split
                 hidden = decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state[:, keep]
-                chunk = head.chunk_positions(out.out_features, self.config.logits_budget_mb or 0.0)
-                logp_k, ent_k = head.head_logprobs(hidden, out, targets, sampling, with_entropy, chunk)
+                chunk = chunk_positions(out.out_features, self.config.logits_budget_mb or 0.0)
+                logp_k, ent_k = head_logprobs(hidden, out, targets, sampling, with_entropy, chunk)
             else:
                 logits = model(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=keep).logits
                 if any(t is not None for t in sampling):  # the distribution each token was sampled from
