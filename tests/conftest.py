@@ -78,7 +78,8 @@ def _no_credentials_in_any_store(tmp_path_factory: pytest.TempPathFactory) -> It
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    """The daemons `tests.trainer.test_daemon.make_daemon` built are closed when the test's body
+    """The daemons `tests.trainer.test_daemon.make_daemon` built (then the stores `own_store`
+    opened) are closed when the test's body
     ends, before its fixtures' teardown: a daemon left open renews its lease from a thread,
     against a database the `pg_url` fixture is about to drop."""
     yield
@@ -87,6 +88,8 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     helpers = sys.modules.get("tests.trainer.test_daemon")
     while helpers is not None and helpers.OPEN_DAEMONS:
         helpers.OPEN_DAEMONS.pop().close()
+    while helpers is not None and helpers.OPEN_STORES:
+        helpers.OPEN_STORES.pop().close()
 
 
 @pytest.fixture(scope="session")

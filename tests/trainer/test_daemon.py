@@ -64,8 +64,17 @@ def run_rollouts(server: LLMTestServer, store: TraceStore, tasks: dict[str, list
                 pass
 
 
-# Every daemon make_daemon built, closed after its test by the root conftest (tests/conftest.py)
+# Every daemon make_daemon built, and every store a test opened with `own_store`, closed after its
+# test by the root conftest (tests/conftest.py), the daemons first.
 OPEN_DAEMONS: list[TrainerDaemon] = []
+OPEN_STORES: list[TraceStore] = []
+
+
+def own_store(url: str) -> TraceStore:
+    """A store of the test's own (a daemon's connection, a second view of one database)."""
+    store = TraceStore(url)
+    OPEN_STORES.append(store)
+    return store
 
 
 def make_daemon(store: TraceStore, model_dir: Path, tmp_path: Path, **kw) -> TrainerDaemon:
@@ -154,9 +163,9 @@ def test_two_daemons_never_take_the_same_rollout(llm_server, store_url, model_di
     """On PostgreSQL and on SQLite, each daemon with its own connection: a claim is one conditional
     UPDATE (TraceStore.claim_rollouts), which SQLite's single writer serializes as PostgreSQL's row
     locks do, so no `SELECT ... FOR UPDATE` (a no-op on SQLite) is needed for it."""
-    store = TraceStore(store_url)
+    store = own_store(store_url)
     run_rollouts(llm_server, store, {f"t{i}": [1, 0, 0, 1] for i in range(8)})
-    daemons = [make_daemon(TraceStore(store_url), model_dir, tmp_path, trainer_id=f"d{i}",
+    daemons = [make_daemon(own_store(store_url), model_dir, tmp_path, trainer_id=f"d{i}",
                            group=GroupPolicy(group_size=4, groups_per_step=1)) for i in range(2)]
     errors: list[BaseException] = []
 
@@ -183,7 +192,7 @@ def test_two_daemons_never_take_the_same_rollout(llm_server, store_url, model_di
 @pytest.mark.slow
 def test_kill_9_mid_run_trains_nothing_twice_and_loses_nothing(llm_server, model_dir, tmp_path) -> None:
     url = f"sqlite:///{tmp_path / 'crash.db'}"
-    store = TraceStore(url)
+    store = own_store(url)
     run_rollouts(llm_server, store, {f"t{i}": [1, 0, 1, 0] for i in range(12)})  # six steps of work
     cmd = [sys.executable, "-m", "lightning_middleware.cli", "trainer", "--store", url, "--model", str(model_dir),
            "--checkpoints", str(tmp_path / "ckpt"), "--group-size", "4", "--groups-per-step", "2", "--lr", "1e-3"]
@@ -220,12 +229,12 @@ def test_one_live_daemon_per_trainer_id_and_no_batch_trained_twice(llm_server, s
     first one's step does not commit: its rollouts are trained once, by the new owner."""
     from lightning_middleware.store import LeaseLost, TrainerIdInUse
 
-    store = TraceStore(store_url)
+    store = own_store(store_url)
     run_rollouts(llm_server, store, {"t0": [1, 0, 0, 1], "t1": [0, 1, 1, 0]})
     one_group = GroupPolicy(group_size=4, groups_per_step=1)
-    first = make_daemon(TraceStore(store_url), model_dir, tmp_path, group=one_group)
+    first = make_daemon(own_store(store_url), model_dir, tmp_path, group=one_group)
     with pytest.raises(TrainerIdInUse, match="in use by a running daemon"):
-        make_daemon(TraceStore(store_url), model_dir, tmp_path / "b", group=one_group)
+        make_daemon(own_store(store_url), model_dir, tmp_path / "b", group=one_group)
     batch = first.collect()
     assert batch is not None
     # The first daemon goes silent for longer than its lease; a run elsewhere takes the id over.
@@ -237,7 +246,7 @@ def test_one_live_daemon_per_trainer_id_and_no_batch_trained_twice(llm_server, s
     assert store.train_steps() == [] and store.latest_policy_version() is None  # nothing committed
     store.release_trainer("trainer-0", "elsewhere:1:takeover")
     first.close()
-    second = make_daemon(TraceStore(store_url), model_dir, tmp_path / "c", group=one_group)  # released: it starts
+    second = make_daemon(own_store(store_url), model_dir, tmp_path / "c", group=one_group)  # released: it starts
     results = second.run(max_steps=2, idle_timeout_s=1.0)
     trained = [rid for s in store.train_steps() for rid in s.rollout_ids]
     assert len(results) == 2 and len(trained) == len(set(trained)) == 8
