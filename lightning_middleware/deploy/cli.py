@@ -42,7 +42,7 @@ def _cli_manifests(args: Any) -> int:
 
 
 def _cli_reap(args: Any) -> int:
-    from lightning_middleware.controller.backends.k8s import api_client, reap_jobs
+    from lightning_middleware.controller.backends.k8s_client import api_client, reap_jobs
     from lightning_middleware.store import open_store
 
     store = open_store(args.store) if args.store else None

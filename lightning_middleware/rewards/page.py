@@ -1,5 +1,5 @@
 """The labelling page: one self-contained HTML file (no build step, no external assets), served
-by `labelling.build_app` at `/`. It talks to the app's JSON API only."""
+by `review.build_app` at `/`. It talks to the app's JSON API only."""
 
 PAGE = """<!doctype html>
 <html lang="en">

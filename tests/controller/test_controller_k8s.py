@@ -17,7 +17,7 @@ import pytest
 
 from lightning_middleware import TraceStore
 from lightning_middleware.controller import KubernetesBackend, RetryPolicy, RolloutController, Sandbox
-from lightning_middleware.controller.backends.k8s import api_client, reap_jobs
+from lightning_middleware.controller.backends.k8s_client import api_client, reap_jobs
 from lightning_middleware.controller.backends.k8s_template import RUN_LABEL, job_manifest, run_selector
 from lightning_middleware.controller.jobs import RolloutJob
 from lightning_middleware.testing import LLMTestServer

@@ -18,8 +18,8 @@ import pytest
 
 from lightning_middleware import TraceStore
 from lightning_middleware.controller import KubernetesBackend, RetryPolicy, RolloutController, RolloutResult
-from lightning_middleware.controller.backends.k8s import api_client, reap_jobs
 from lightning_middleware.controller.backends.k8s_batch import batch_message, parse_batch_message
+from lightning_middleware.controller.backends.k8s_client import api_client, reap_jobs
 from lightning_middleware.controller.backends.k8s_template import (
     BATCH_LABEL,
     ROLLOUTS_ANNOTATION,

@@ -150,9 +150,8 @@ class WeightPublisher:
 
         `reset=False` leaves out the second prefix-cache reset: the pause cleared the cache (vLLM's
         `/pause` resets it once in-flight requests have drained; `clear_cache` is sent), and while
-        the engine is paused nothing runs, so nothing is cached before the resume. (The reset, the
-        tag and the load were also tried concurrently, on threads with their own connections: the
-        pause grew, 12-109 ms instead of 16, on the 2-core machine; docs/benchmarks.md.)
+        the engine is paused nothing runs, so nothing is cached before the resume. The steps run one
+        after another: run concurrently they lengthened the pause (docs/benchmarks.md).
         """
         t: dict[str, float] = {"reset_cache": 0.0}
         t_start = time.perf_counter()

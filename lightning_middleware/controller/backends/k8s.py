@@ -25,7 +25,6 @@ from lightning_middleware.controller.backends.k8s_client import (
     KubernetesAPIError,
     agent_reference,
     api_client,
-    reap_jobs,
 )
 from lightning_middleware.controller.backends.k8s_status import PodNodeLost, Verdict, judge
 from lightning_middleware.controller.backends.k8s_template import (
@@ -48,7 +47,7 @@ from lightning_middleware.records import Mode, Rollout, RolloutStatus
 from lightning_middleware.store import TraceStore
 
 log = logging.getLogger(__name__)
-__all__ = ["KubernetesAPIError", "KubernetesBackend", "agent_reference", "api_client", "reap_jobs"]
+__all__ = ["KubernetesBackend"]
 ENV_PAYLOAD_LIMIT = 96 * 1024  # bytes; Linux refuses a single env string over 128 KiB (MAX_ARG_STRLEN)
 
 
