@@ -1,4 +1,6 @@
-"""Task sets: a JSONL file, a list of dicts or a `datasets.Dataset`, each task with a unique id."""
+"""Task sets: a JSONL file, a list of dicts, a `datasets.Dataset`, or a benchmark's address
+(`rg:NAME?size=N&seed=S`: reasoning-gym, `lightning_middleware.benchmarks`), each task with a
+unique id."""
 
 from __future__ import annotations
 
@@ -22,6 +24,10 @@ def load_tasks(tasks: TaskSource, *, task_id_key: str = "task_id") -> list[tuple
 
     The task id is `task[task_id_key]`, else `task["id"]`, else "task-<index>".
     """
+    if isinstance(tasks, str) and tasks.startswith("rg:"):
+        from lightning_middleware.benchmarks import reasoning
+
+        tasks = reasoning.tasks(tasks)
     rows: Iterable[Any] = _read_jsonl(tasks) if isinstance(tasks, (str, os.PathLike)) else tasks
     out: list[tuple[str, dict[str, Any]]] = []
     seen: set[str] = set()
