@@ -135,11 +135,19 @@ def _cli_eval(args: Any) -> int:
 
 
 def _cli_metrics(args: Any) -> int:
-    print(format_history(open_store(args.store).eval_results(args.name)))
+    store = open_store(args.store)
+    try:
+        print(format_history(store.eval_results(args.name)))
+    finally:
+        store.close()
     return 0
 
 
 def _cli_reap(args: Any) -> int:
-    ended = reap_stale(open_store(args.store), args.older_than, include_unleased=args.include_unleased)
+    store = open_store(args.store)
+    try:
+        ended = reap_stale(store, args.older_than, include_unleased=args.include_unleased)
+    finally:
+        store.close()
     print(f"ended {len(ended)} stale rollouts" + (": " + ", ".join(ended) if ended else ""))
     return 0

@@ -31,9 +31,13 @@ def _calls(client: openai.OpenAI, store: TraceStore) -> list[tuple]:
 def test_in_process_answers_equal_the_server(llm_server: LLMTestServer, tmp_path) -> None:
     over_socket = TraceStore(f"sqlite:///{tmp_path / 'socket.db'}")
     in_process = TraceStore(f"sqlite:///{tmp_path / 'inproc.db'}")
-    a = _calls(wrap(openai.OpenAI(base_url=llm_server.base_url, api_key="x"), store=over_socket), over_socket)
-    b = _calls(wrap(openai.OpenAI(base_url=TEST_BASE_URL, api_key="x", http_client=llm_http_client(httpx2)),
-                    store=in_process), in_process)
+    try:
+        a = _calls(wrap(openai.OpenAI(base_url=llm_server.base_url, api_key="x"), store=over_socket), over_socket)
+        b = _calls(wrap(openai.OpenAI(base_url=TEST_BASE_URL, api_key="x", http_client=llm_http_client(httpx2)),
+                        store=in_process), in_process)
+    finally:
+        over_socket.close()
+        in_process.close()
     assert a == b and len(a) == 4 and all(call[-1] for call in a[1:])  # three training calls, equal
 
 

@@ -21,6 +21,7 @@ from lightning_middleware.controller import (
     reap_stale,
     reward_smoothness,
 )
+from lightning_middleware.store import get_store
 from lightning_middleware.testing import LLMTestServer
 from tests.controller import controller_agents as A
 
@@ -332,3 +333,4 @@ def test_cli_run_and_metrics(llm_server: LLMTestServer, sq: TraceStore, tmp_path
     assert main(["rollouts", "metrics", "--store", url]) == 0
     assert main(["rollouts", "reap", "--store", url, "--older-than", "60"]) == 0
     assert "ended 0" in capsys.readouterr().out
+    get_store(url).close()  # the one run and eval shared, as a process's wrapped clients do (a CLI's ends with it)

@@ -41,8 +41,16 @@ def test_per_step_rewards_are_stored_and_land_on_the_last_token_of_their_call(st
     assert token_rewards(cut, calls, steps[r.id])[-1] == -0.5
 
 
-def test_a_per_step_reward_is_checked() -> None:
-    with rollout("t", store="sqlite:///:memory:") as r:
+def test_a_per_step_reward_is_checked(tmp_path) -> None:  # noqa: ANN001
+    store = TraceStore(f"sqlite:///{tmp_path / 'steps.db'}")
+    try:
+        _per_step_reward_is_checked(store)
+    finally:
+        store.close()
+
+
+def _per_step_reward_is_checked(store: TraceStore) -> None:
+    with rollout("t", store=store) as r:
         with pytest.raises(ValueError, match="cannot be final"):
             r.reward(1.0, call_index=0, final=True)
         with pytest.raises(ValueError, match="call_index"):
