@@ -32,7 +32,8 @@ class Assembled:
     error: str | None = None
     extra_choices: list[Choice] = field(default_factory=list)  # choices 1.. of the same prompt, by index
     # Choice 0's text exactly as sampled (a chat answer's logprob tokens joined), before the server's
-    # tool-call parser took it apart; None without logprobs. See `capture.exact_history`.
+    # tool-call parser took it apart; None without logprobs, or when not asked for (only
+    # `capture.exact_history` needs it: every other call skips the work).
     sampled_text: str | None = None
 
 
@@ -165,7 +166,7 @@ def _extra_choices(choices: list[Any], prompt_ids: list[int], endpoint: str) -> 
     return [out[i] for i in sorted(out)]
 
 
-def parse_body(raw: bytes, endpoint: str) -> Assembled:
+def parse_body(raw: bytes, endpoint: str, *, sampled_text: bool = False) -> Assembled:
     try:
         body = fastjson.loads(raw)
     except ValueError as exc:
@@ -185,7 +186,7 @@ def parse_body(raw: bytes, endpoint: str) -> Assembled:
     out.finish_reason = first.get("finish_reason")
     out.logprobs = _aligned(_safe_logprobs(first, endpoint), out.completion_token_ids)
     out.extra_choices = _extra_choices(choices, out.prompt_token_ids, endpoint)
-    if endpoint == "chat.completions" and out.completion_token_ids:
+    if sampled_text and endpoint == "chat.completions" and out.completion_token_ids:
         pieces = _token_bytes(first)
         if pieces is not None:
             out.sampled_text = _joined(pieces, len(out.completion_token_ids), _ended_by_eos(first))
@@ -199,7 +200,7 @@ def parse_body(raw: bytes, endpoint: str) -> Assembled:
 class _StreamChoice:
     """One choice of a stream, rebuilt from the deltas that carry its `index`."""
 
-    def __init__(self, index: int, endpoint: str) -> None:
+    def __init__(self, index: int, endpoint: str, sampled_text: bool = False) -> None:
         self.index, self.endpoint = index, endpoint
         self.text: list[str] = []
         self.reasoning: list[str] = []
@@ -211,7 +212,8 @@ class _StreamChoice:
         self.has_logprobs = False
         self.unreadable_logprobs = False
         self.finish: str | None = None
-        self.pieces: list[bytes] | None = [] if endpoint == "chat.completions" else None  # sampled, per token
+        # the sampled text's bytes, per token (None: not asked for, or unreadable)
+        self.pieces: list[bytes] | None = [] if sampled_text and endpoint == "chat.completions" else None
         self.ended_by_eos = False
 
     def feed(self, choice: dict[str, Any]) -> None:
@@ -297,15 +299,16 @@ class StreamAssembler:
     With `n` > 1 the chunks of the choices interleave; each is assembled by its `index`.
     """
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, *, sampled_text: bool = False) -> None:
         self.endpoint = endpoint
+        self.sampled_text = sampled_text
         self._pending = b""
         self._done = False
         self._head: dict[str, Any] = {}
         self._saw_choice = False  # a chunk with a choice came (a stream of only usage or [DONE] is no answer)
         self._broken: set[int] = set()  # choices a malformed delta came for
         # Choice 0 always exists, so a stream that never sent a choice still records one (as before n > 1).
-        self._choices: dict[int, _StreamChoice] = {0: _StreamChoice(0, endpoint)}
+        self._choices: dict[int, _StreamChoice] = {0: _StreamChoice(0, endpoint, sampled_text)}
         self._prompt_ids: list[int] = []
         self._usage: Any = None
         self._errors: list[str] = []
@@ -359,7 +362,7 @@ class StreamAssembler:
                 continue
             slot = self._choices.get(index)
             if slot is None:
-                slot = self._choices[index] = _StreamChoice(index, self.endpoint)
+                slot = self._choices[index] = _StreamChoice(index, self.endpoint, self.sampled_text)
             slot.feed(choice)
 
     def _extra_choices(self, prompt_ids: list[int]) -> list[Choice]:
@@ -402,10 +405,11 @@ class StreamAssembler:
 class BodyCollector:
     """Feeds raw response bytes to the right parser, decoding content-encoding."""
 
-    def __init__(self, endpoint: str, streaming: bool, content_encoding: str | None) -> None:
-        self.endpoint = endpoint
+    def __init__(self, endpoint: str, streaming: bool, content_encoding: str | None, *,
+                 sampled_text: bool = False) -> None:
+        self.endpoint, self.sampled_text = endpoint, sampled_text
         self._decode = _Decoder(content_encoding)
-        self._stream = StreamAssembler(endpoint) if streaming else None
+        self._stream = StreamAssembler(endpoint, sampled_text=sampled_text) if streaming else None
         self._parts: list[bytes] = []
 
     def feed(self, data: bytes) -> None:
@@ -422,7 +426,7 @@ class BodyCollector:
             return Assembled(error="response content-encoding not decodable by the recorder")
         if self._stream is not None:
             return self._stream.result()
-        return parse_body(b"".join(self._parts), self.endpoint)
+        return parse_body(b"".join(self._parts), self.endpoint, sampled_text=self.sampled_text)
 
     def raw_text(self, limit: int = 2000) -> str:
         return b"".join(self._parts)[:limit].decode("utf-8", "replace")

@@ -166,6 +166,11 @@ class PendingCall:
     done: bool = False
 
     @property
+    def remembers_turns(self) -> bool:
+        """exact_history keeps this call's sampled text for its rollout's later requests."""
+        return self.settings.exact_history and self.state is not None and self.endpoint == "chat.completions"
+
+    @property
     def store(self) -> TraceStore:
         return self.state.store if self.state is not None else self.settings.store
 
@@ -196,11 +201,11 @@ class PendingCall:
         self.done = True
         try:
             deferred = DeferredCall(self, status_code, chunks or [], headers, error, time.perf_counter() - self.t0)
-            if self.settings.exact_history and self.state is not None and self.endpoint == "chat.completions" \
-                    and status_code is not None and 200 <= status_code < 300:
+            state = self.state if self.remembers_turns else None
+            if state is not None and status_code is not None and 200 <= status_code < 300:
                 # Now, not on the writer thread: the rollout's next request may carry this turn back.
                 a = deferred.assembled()
-                self.state.sampled_turns.remember(a.response, a.sampled_text if a.complete and not a.error else None)
+                state.sampled_turns.remember(a.response, a.sampled_text if a.complete and not a.error else None)
             self.store.submit_call(deferred)
         except Exception:  # recording must not break the agent
             log.exception("could not record an LLM call")
@@ -227,7 +232,7 @@ class DeferredCall:
         if self._assembled is None:
             p = self.pending
             self._collector = BodyCollector(p.endpoint, "text/event-stream" in self.content_type,
-                                            self.content_encoding)
+                                            self.content_encoding, sampled_text=p.remembers_turns)
             for chunk in self.chunks:
                 self._collector.feed(chunk)
             self._assembled = self._collector.result() if self.status_code is not None else Assembled()

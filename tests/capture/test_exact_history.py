@@ -177,7 +177,7 @@ def _chat_body(tokens: list[bytes], *, finish: str = "tool_calls", stop_reason: 
 
 
 def _assembled(body: bytes, streaming: bool = False):
-    collector = BodyCollector("chat.completions", streaming, None)
+    collector = BodyCollector("chat.completions", streaming, None, sampled_text=True)
     collector.feed(body)
     return collector.result()
 
@@ -194,6 +194,13 @@ def _assembled(body: bytes, streaming: bool = False):
 def test_sampled_text_of_a_whole_answer(tokens: list[bytes], stop_reason: object, lp: bool,
                                         expected: str | None) -> None:
     assert _assembled(_chat_body(tokens, stop_reason=stop_reason, lp=lp)).sampled_text == expected
+
+
+def test_sampled_text_is_read_only_when_asked_for() -> None:
+    """Every other captured call skips the work: only exact_history's calls ask for it."""
+    collector = BodyCollector("chat.completions", False, None)
+    collector.feed(_chat_body([b"<tool_call>", b"{}", b"</tool_call>"]))
+    assert collector.result().sampled_text is None
 
 
 def test_sampled_text_needs_one_logprob_per_token() -> None:
