@@ -31,9 +31,6 @@ class SampledTurns:
         self._by_ids: dict[tuple[str, ...], str] = {}
         self._lock = threading.Lock()
 
-    def __len__(self) -> int:
-        return len(self._by_ids)
-
     def remember(self, response: dict[str, Any] | None, text: str | None) -> None:
         """Keep choice 0 of a chat answer, if it called tools and its sampled text is known."""
         if text is None or not isinstance(response, dict):
@@ -71,7 +68,5 @@ def _call_ids(message: Any) -> tuple[str, ...]:
     calls = message.get("tool_calls") if isinstance(message, dict) else None
     if not isinstance(calls, list) or not calls:
         return ()
-    ids = tuple(c.get("id") for c in calls if isinstance(c, dict))
-    if len(ids) != len(calls) or not all(isinstance(i, str) and i for i in ids):
-        return ()
-    return tuple(str(i) for i in ids)
+    ids = [c.get("id") if isinstance(c, dict) else None for c in calls]
+    return tuple(str(i) for i in ids) if all(isinstance(i, str) and i for i in ids) else ()

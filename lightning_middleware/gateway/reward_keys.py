@@ -34,6 +34,14 @@ MAX_KEY_CHARS = 255
 REPLAYED = (b"x-lightning-replayed", b"1")
 
 
+def check_key(key: str) -> None:
+    """An Idempotency-Key, on the reward route and on LLM calls: 1 to 255 visible characters (the
+    store's column), else a 400 before anything is claimed or stored."""
+    if not key.strip() or len(key) > MAX_KEY_CHARS:
+        raise HTTPError(400, f"an Idempotency-Key is 1 to {MAX_KEY_CHARS} visible characters",
+                        code="bad_idempotency_key", param="Idempotency-Key")
+
+
 def reward_answer(reward: Reward, applied: bool) -> dict[str, Any]:
     """What `POST /rollouts/{id}/reward` answers for a stored reward."""
     return {"rollout_id": reward.rollout_id, "value": reward.value, "name": reward.name, "final": reward.final,
@@ -66,9 +74,7 @@ class RewardKeys:
         if key is None:
             reward, applied = await self.registry.add_reward(rollout_id, body)
             return _json(reward_answer(reward, applied))
-        if not key.strip() or len(key) > MAX_KEY_CHARS:
-            raise HTTPError(400, f"an Idempotency-Key is 1 to {MAX_KEY_CHARS} visible characters",
-                            code="bad_idempotency_key", param="Idempotency-Key")
+        check_key(key)
         digest = _digest(self.registry.reward_for(rollout_id, body))  # a bad body is a 400 here, before any claim
         cache_key = ("reward", rollout_id, key)
         claimed = await self.cache.claim(cache_key, self.ttl_s, digest)

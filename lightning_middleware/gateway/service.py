@@ -61,7 +61,7 @@ from lightning_middleware.gateway.app import GatewayApp
 from lightning_middleware.gateway.forwarding import POLICY_HEADER, Forwarder, Upstreamed
 from lightning_middleware.gateway.replay import Cached, Flight, ReplayCache, answer_from_record, is_retry
 from lightning_middleware.gateway.requests import Receive, parse_object, receive_body
-from lightning_middleware.gateway.reward_keys import MAX_KEY_CHARS, RewardKeys
+from lightning_middleware.gateway.reward_keys import RewardKeys, check_key
 from lightning_middleware.gateway.rollouts import RolloutEntry, RolloutRegistry
 from lightning_middleware.gateway.translation import TranslatedCall, in_format, translate_call
 from lightning_middleware.gateway.upstreams import Upstream, UpstreamPool
@@ -428,9 +428,7 @@ class Gateway:
                                translated: TranslatedCall | None, stream: bool) -> Cached | None:
         """The answer to a call the store holds under this Idempotency-Key (sent to an earlier
         gateway process, or to another replica on this store), or None: send it upstream."""
-        if not idem.strip() or len(idem) > MAX_KEY_CHARS:
-            raise HTTPError(400, f"an Idempotency-Key is 1 to {MAX_KEY_CHARS} visible characters",
-                            code="bad_idempotency_key", param="Idempotency-Key")
+        check_key(idem)
         try:
             found = await asyncio.to_thread(self.store.keyed_call, rollout_id, idem)
         except Exception as exc:  # noqa: BLE001 - a store that is down must not fail the call

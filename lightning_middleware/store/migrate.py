@@ -10,6 +10,7 @@ old store at once both try: the loser's "column exists" is taken as done.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
@@ -46,34 +47,42 @@ def _has_column(engine: sa.Engine, table: str, column: str) -> bool:
     return column in {c["name"] for c in sa.inspect(engine).get_columns(table)}
 
 
+def _has_index(engine: sa.Engine, table: str, name: str) -> bool:
+    return name in {i["name"] for i in sa.inspect(engine).get_indexes(table)}
+
+
 def _add_column(engine: sa.Engine, column: sa.Column) -> None:
     table = column.table.name
-    if _has_column(engine, table, column.name):
-        return
     preparer = engine.dialect.identifier_preparer
     kind = column.type.compile(dialect=engine.dialect)
     guard = "IF NOT EXISTS " if engine.dialect.name == "postgresql" else ""
     ddl = f"ALTER TABLE {preparer.quote(table)} ADD COLUMN {guard}{preparer.quote(column.name)} {kind}"
-    try:
+
+    def add() -> None:
         with engine.begin() as conn:
             conn.exec_driver_sql(ddl)
-    except sa_exc.DBAPIError as exc:
-        if _has_column(engine, table, column.name):  # another process added it meanwhile
-            return
-        reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
-        raise StoreError(f"cannot upgrade the store's table {table} (add column {column.name}): {reason}; "
-                         "open it once with a user allowed to ALTER it") from exc
+
+    _step(f"{table} (add column {column.name})", lambda: _has_column(engine, table, column.name), add)
 
 
 def _add_index(engine: sa.Engine, name: str) -> None:
     index = next(i for t in S.metadata.tables.values() for i in t.indexes if i.name == name)
+    table = index.table
+    assert table is not None
+    _step(f"{table.name} (create index {name})", lambda: _has_index(engine, table.name, name),
+          lambda: index.create(engine))
+
+
+def _step(what: str, done: Callable[[], bool], run: Callable[[], object]) -> None:
+    """Run one additive step unless it is done; two processes may race: the loser's failure,
+    with the step done meanwhile, is success."""
+    if done():
+        return
     try:
-        index.create(engine, checkfirst=True)
+        run()
     except sa_exc.DBAPIError as exc:
-        table = index.table
-        assert table is not None
-        if name in {i["name"] for i in sa.inspect(engine).get_indexes(table.name)}:  # another process made it
+        if done():  # another process did it meanwhile
             return
         reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
-        raise StoreError(f"cannot upgrade the store's table {table.name} (create index {name}): {reason}; "
+        raise StoreError(f"cannot upgrade the store's table {what}: {reason}; "
                          "open it once with a user allowed to ALTER it") from exc
