@@ -40,7 +40,8 @@ class Address:
     config: tuple[tuple[str, Any], ...] = ()  # the dataset's own keys, sorted
 
     def __str__(self) -> str:
-        extra = "".join(f"&{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in self.config)
+        extra = "".join(f"&{k}={v if isinstance(v, str) else json.dumps(v, separators=(',', ':'))}"
+                        for k, v in self.config)
         return f"{SCHEME}:{self.name}?size={self.size}&seed={self.seed}{extra}"
 
 
@@ -49,7 +50,8 @@ def parse(address: str) -> Address:
     parts = urlsplit(address)
     if parts.scheme != SCHEME or not parts.path:
         raise BenchmarkError(f"a reasoning-gym task address is rg:NAME?size=N&seed=S, got {address!r}")
-    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    # "+" is itself here (an operator, a sign), not the form encoding's space
+    query = dict(parse_qsl(parts.query.replace("+", "%2B"), keep_blank_values=True))
     try:
         size, seed = int(query.pop("size", DEFAULT_SIZE)), int(query.pop("seed", 0))
     except ValueError:
@@ -60,10 +62,21 @@ def parse(address: str) -> Address:
 
 
 def _value(text: str) -> Any:
+    """A query value as JSON where it parses; lists as tuples, so an Address stays hashable (the
+    datasets are cached by it) and reasoning-gym takes them as its own tuple defaults are."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except ValueError:
         return text
+    return _frozen(value)
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        raise BenchmarkError(f"a task address's config values are numbers, strings, booleans or lists, not {value}")
+    return value
 
 
 @functools.lru_cache(maxsize=64)

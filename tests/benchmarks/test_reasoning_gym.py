@@ -20,6 +20,9 @@ def test_an_address_names_a_dataset_its_size_seed_and_config() -> None:
     a = parse(ADDRESS)
     assert (a.name, a.size, a.seed, a.config) == ("basic_arithmetic", 20, 3, (("max_terms", 3),))
     assert parse(str(a)) == a and parse("rg:chain_sum").size == reasoning.DEFAULT_SIZE
+    listed = parse('rg:basic_arithmetic?size=3&operators=["+"]')  # a list value: hashable, cached, taken
+    assert listed.config == (("operators", ("+",)),) and parse(str(listed)) == listed
+    assert all(" - " not in t["question"] and " * " not in t["question"] for t in reasoning.tasks(str(listed)))
     for bad, why in (("rg:", "rg:NAME"), ("bfcl:x", "rg:NAME"), ("rg:x?size=ten", "integers"),
                      ("rg:x?size=0", "positive"), ("rg:no_such_dataset?size=3", "reasoning-gym refused it")):
         with pytest.raises(BenchmarkError, match=why):

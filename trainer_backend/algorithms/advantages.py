@@ -271,7 +271,6 @@ def pairs_from_rows(keys: Sequence[str | None], rollout_ids: Sequence[str], labe
 
 
 EPS = 1e-6  # as group_normalize's
-WHITEN_EPS = 1e-8  # as whiten_by_tokens' (verl's masked_whiten)
 
 
 @dataclass(frozen=True)
@@ -375,7 +374,7 @@ def _whiten_turns(values: Mapping[_Turn, float]) -> dict[_Turn, float]:
     """`whiten_by_tokens` over the turns: each turn's value counts once per response token of it."""
     turns = list(values)
     whitened = whiten_by_tokens(torch.tensor([values[t] for t in turns], dtype=torch.float64),
-                                torch.tensor([t.tokens for t in turns], dtype=torch.float64), eps=WHITEN_EPS)
+                                torch.tensor([t.tokens for t in turns], dtype=torch.float64))
     return {t: float(v) for t, v in zip(turns, whitened)}
 
 
