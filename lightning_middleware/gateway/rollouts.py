@@ -21,12 +21,13 @@ from lightning_middleware.asgi.error_replies import HTTPError
 from lightning_middleware.capture import RolloutState
 from lightning_middleware.gateway.requests import is_rollout_id, short_text
 from lightning_middleware.gateway.rollout_policies import policies_from_body, policies_from_metadata, with_policies
-from lightning_middleware.records import Mode, Reward, Rollout, RolloutStatus
+from lightning_middleware.records import Event, Mode, Reward, Rollout, RolloutStatus
 from lightning_middleware.rewards import Scorer
 from lightning_middleware.rewards.config import AGENT
 from lightning_middleware.store import TraceStore
 
 log = logging.getLogger(__name__)
+REWARD_REFUSED = "reward_refused"  # the event kind and the 403's code
 
 REWARD_KEY_FIELD = "idempotency_key"  # the reward metadata field an Idempotency-Key is kept in
 
@@ -132,6 +133,7 @@ class RolloutRegistry:
         """Store a reward (after the finish too: kept as `late`); (the reward, whether it moved
         the rollout's final reward). `key`: the request's Idempotency-Key, stored with it (reward_keys)."""
         entry = await self.entry(rollout_id, for_call=False)
+        await self.check_agent_reward(rollout_id, "POST /rollouts/{id}/reward")
         reward = reward_from(rollout_id, body, scorer=self.scorer, late=entry.finished)
         if key is not None:
             reward = dataclasses.replace(reward, metadata={**reward.metadata, REWARD_KEY_FIELD: key})
@@ -140,6 +142,18 @@ class RolloutRegistry:
             written = await asyncio.to_thread(self.scorer.score_rollout, self.store, rollout_id, reuse_model=True)
             applied = written.applied
         return reward, applied
+
+    async def check_agent_reward(self, rollout_id: str, route: str) -> None:
+        """A 403, and an event in the store, when the reward configuration says the rollout may not
+        report its own reward (`agent_reward = false`: the benchmark or the trainer scores it)."""
+        if self.scorer is None or self.scorer.config.agent_reward:
+            return
+        await asyncio.to_thread(self.store.add_event, Event(
+            kind=REWARD_REFUSED, source="gateway", message=f"rollout {rollout_id} sent its own reward ({route})",
+            data={"rollout_id": rollout_id, "route": route, "reward_config": self.scorer.hash}))
+        raise HTTPError(403, f"the reward configuration {self.scorer.hash} scores rollouts itself "
+                             "(agent_reward = false): a rollout may not send its own reward",
+                        type="permission_error", code=REWARD_REFUSED)
 
     def reward_for(self, rollout_id: str, body: dict[str, Any]) -> Reward:
         """The reward `body` describes, as `add_reward` would store it (not stored)."""
@@ -160,6 +174,8 @@ class RolloutRegistry:
             was = stored.status.value if stored else "?"
             raise HTTPError(409, f"rollout {rollout_id!r} is already finished ({was})",
                              code="rollout_finished")
+        if body.get("reward") is not None:
+            await self.check_agent_reward(rollout_id, "POST /rollouts/{id}/finish with a reward")
         reward = (reward_from(rollout_id, {"value": body["reward"]}, scorer=self.scorer)
                   if body.get("reward") is not None else None)
         entry.finished = True  # new calls get 409 from here on

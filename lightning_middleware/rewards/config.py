@@ -24,6 +24,7 @@
     [human]
     weight = 3.0
     interval = 10
+    agent_reward = false              # the rollout may not report its own reward (below)
 
 The final reward is the sum of weight x value over the components (docs/rewards.md).
 """
@@ -51,8 +52,10 @@ REWARD_TYPES = ("rule", "model", "hybrid")
 RANK_JUDGE = "rank_judge"  # the ranking judge's component name
 AGENT = "agent"  # the name a configured rollout's own reported reward is stored under
 ON_ERROR = ("drop", "partial")
+SELF_REPORTED = {"task_complete", "agent_reward", "step_reward_sum"}  # built-ins that read the rollout's own rewards
 GUARD_ACTIONS = ("penalise", "zero")
-_TOP_KEYS = {"reward_type", "on_error", "rules", "guards", "reward_model", "rank_judge", "human", "name"}
+_TOP_KEYS = {"reward_type", "on_error", "rules", "guards", "reward_model", "rank_judge", "human", "name",
+             "agent_reward"}
 _MODEL_KEYS = {"weight", "url", "model", "scorer", "path", "prompt", "max_score", "scale", "offset", "timeout_s",
                "retries", "api_key_env", "max_chars"}
 _RANK_KEYS = {"weight", "url", "model", "prompt", "timeout_s", "retries", "api_key_env", "max_chars",
@@ -175,6 +178,11 @@ class RewardConfig:
     on_error: str = "drop"
     rank_judge: RankJudgeConfig | None = None
     name: str | None = None
+    # False: the scorer is the benchmark, a model or the trainer, never the rollout itself. The
+    # gateway refuses a reward the rollout sends (POST /rollouts/{id}/reward, or a finish carrying
+    # one) with a 403 and a store event, and a sandboxed rollout's returned number is not stored.
+    # Not hashed: it decides who may report, not how a reward is computed.
+    agent_reward: bool = True
 
     def __post_init__(self) -> None:
         _check_shape(self)
@@ -322,7 +330,14 @@ def from_dict(data: Mapping[str, Any]) -> RewardConfig:
         reward_type=data.get("reward_type", "hybrid"), rules=_components(data.get("rules"), "rule"),
         guards=_components(data.get("guards"), "guard"), reward_model=_model(data.get("reward_model")),
         human=_human(data.get("human")), on_error=data.get("on_error", "drop"), name=data.get("name"),
-        rank_judge=_rank_judge(data.get("rank_judge")))
+        rank_judge=_rank_judge(data.get("rank_judge")), agent_reward=_flag(data.get("agent_reward", True),
+                                                                           "agent_reward"))
+
+
+def _flag(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    return value
 
 
 def load_config(path: str | os.PathLike[str]) -> RewardConfig:
@@ -367,3 +382,7 @@ def _check_shape(cfg: RewardConfig) -> None:
         raise ConfigError(f"component names must be unique, got {names}")
     if not names:
         raise ConfigError("the configuration has no component: give [rules], [guards], [reward_model] or [human]")
+    reads_reports = [c.name for c in cfg.components if c.function in SELF_REPORTED]
+    if not cfg.agent_reward and reads_reports:
+        raise ConfigError(f"agent_reward = false refuses the rollout's own rewards, which {reads_reports} read: "
+                          "score with the benchmark's rule instead")

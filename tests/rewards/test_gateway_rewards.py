@@ -54,6 +54,36 @@ def test_the_gateway_scores_rollouts_as_they_finish(llm_server: LLMTestServer, s
         assert [r.value for r in store.rewards("g-1") if r.name == "agent"] == [1.0, 0.0, 1.0]
 
 
+def test_agent_reward_false_refuses_a_rollouts_own_reward(llm_server: LLMTestServer, store: TraceStore) -> None:
+    """The benchmark scores the rollout: a reward it sends itself is a 403, nothing is stored, the
+    store has an event, and the configured components still score it at the finish."""
+    scored = {"rules": {"tool_call_valid": 1.0, "succeeded": 2.0}}
+    cfg = RewardConfig.from_dict({**scored, "agent_reward": False})
+    assert cfg.hash == RewardConfig.from_dict(scored).hash  # who may report is not part of the scoring
+    with Gateway([llm_server.base_url], store, rewards=cfg, health_interval_s=0.5) as gw:
+        ro = httpx.post(gw.url + "/rollouts", json={"id": "g-own", "task_id": "t"}).json()
+        gateway_turns(ro["base_url"])
+        own = httpx.post(gw.url + "/rollouts/g-own/reward", json={"value": 100.0})
+        assert own.status_code == 403 and own.json()["error"]["code"] == "reward_refused"
+        keyed = httpx.post(gw.url + "/rollouts/g-own/reward", json={"value": 100.0},
+                           headers={"idempotency-key": "k1"})
+        assert keyed.status_code == 403
+        finish_with = httpx.post(gw.url + "/rollouts/g-own/finish", json={"reward": 100.0})
+        assert finish_with.status_code == 403
+        done = httpx.post(gw.url + "/rollouts/g-own/finish", json={}).json()
+        assert done["status"] == "succeeded" and done["final_reward"] == pytest.approx(1.0 + 2.0)
+    assert not [r for r in store.rewards("g-own") if r.name == "agent"]
+    events = store.events(kind="reward_refused")
+    assert len(events) == 3 and {e.data["rollout_id"] for e in events} == {"g-own"}
+
+
+def test_agent_reward_must_be_a_boolean_and_agree_with_the_rules() -> None:
+    with pytest.raises(ValueError, match="agent_reward must be true or false"):
+        RewardConfig.from_dict({**CONFIG, "agent_reward": "no"})
+    with pytest.raises(ValueError, match=r"which \['task_complete', 'step_reward_sum'\] read"):
+        RewardConfig.from_dict({**CONFIG, "agent_reward": False})
+
+
 def test_a_bad_reward_configuration_stops_the_gateway_at_start(llm_server: LLMTestServer, tmp_path) -> None:
     bad = tmp_path / "rewards.toml"
     bad.write_text('[rules]\nno_such = 1.0\n')
