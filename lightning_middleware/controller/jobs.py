@@ -15,6 +15,42 @@ class WorkerLost(RuntimeError):
     """The process (or Ray actor) running a rollout died before reporting back."""
 
 
+class SandboxBreach(RuntimeError):
+    """A sandboxed rollout tried what its sandbox forbids (controller/sandbox.py): the rollout's own
+    failure, never retried. `kind` is the class recorded with it."""
+
+    kind = "sandbox"
+
+
+class SandboxNetwork(SandboxBreach):
+    """A connection other than the rollout's door, or a gateway route outside its own rollout."""
+
+    kind = "sandbox_network"
+
+
+class SandboxFiles(SandboxBreach):
+    """A read or write outside the rollout's work directory."""
+
+    kind = "sandbox_fs"
+
+
+class SandboxLimit(SandboxBreach):
+    """Past a limit: memory, CPU time, processes, or the wall-clock deadline."""
+
+    kind = "sandbox_limit"
+
+
+class SandboxReward(SandboxBreach):
+    """A reward the rollout sent itself where the reward configuration forbids it."""
+
+    kind = "sandbox_reward"
+
+
+BREACHES: dict[str, type[SandboxBreach]] = {c.kind: c for c in (SandboxNetwork, SandboxFiles, SandboxLimit,
+                                                                  SandboxReward)}
+_BREACH_TYPE = f"{SandboxBreach.__module__}.{SandboxBreach.__qualname__}"
+
+
 DEFAULT_RETRY_ON: tuple[str, ...] = (
     "ConnectionError",  # builtins: refused/reset connections
     "openai.APIConnectionError",  # includes APITimeoutError
@@ -44,7 +80,10 @@ class RetryPolicy:
     max_backoff_s: float = 5.0
 
     def matches(self, error_types: Sequence[str]) -> bool:
-        """True if an exception with these "module.Class" MRO names should be retried."""
+        """True if an exception with these "module.Class" MRO names should be retried; a sandbox
+        breach never is (a retry would run the same attack again)."""
+        if _BREACH_TYPE in error_types:
+            return False
         for want in self.retry_on:
             name = f"{want.__module__}.{want.__qualname__}" if isinstance(want, type) else want
             if any(_name_match(name, have) for have in error_types):

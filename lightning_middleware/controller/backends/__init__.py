@@ -8,11 +8,12 @@ import inspect
 
 from lightning_middleware.controller.backends.base import Backend
 from lightning_middleware.controller.backends.k8s import KubernetesBackend
-from lightning_middleware.controller.backends.k8s_template import PodTemplate, Sandbox
+from lightning_middleware.controller.backends.k8s_template import PodTemplate
 from lightning_middleware.controller.backends.local import AsyncioBackend, ThreadBackend
 from lightning_middleware.controller.backends.process import ProcessBackend
 from lightning_middleware.controller.backends.ray_backend import RayBackend
 from lightning_middleware.controller.execution import AgentFn
+from lightning_middleware.controller.sandbox import Sandbox
 
 __all__ = ["AsyncioBackend", "Backend", "KubernetesBackend", "PodTemplate", "ProcessBackend", "RayBackend", "Sandbox",
            "ThreadBackend", "make_backend"]

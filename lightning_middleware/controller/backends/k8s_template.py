@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_middleware.controller.jobs import RolloutJob
+from lightning_middleware.controller.sandbox import Sandbox
 
 MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "lightning-middleware"
@@ -32,29 +33,6 @@ ENV_STORE = "LIGHTNING_STORE_URL"
 ENV_TERMINATION_LOG = "LIGHTNING_TERMINATION_LOG"
 DEFAULT_COMMAND = ("lightning-mw", "rollouts", "worker")
 _NAME_OK = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-
-
-@dataclass(frozen=True)
-class Sandbox:
-    """The guard for coding agents (docs/kubernetes.md): what a rollout pod may not do.
-
-    - `egress_to`: the only destinations the pod may open connections to (NetworkPolicy `to` peers:
-      `{"podSelector": {...}}`, `{"ipBlock": {"cidr": ...}}`), plus DNS on port 53. Empty: the
-      policy allows DNS only. None: no NetworkPolicy.
-    - `read_only_root_fs`: the image's files cannot be changed (scratch space is an emptyDir at /tmp).
-    - no service-account token in the pod: the agent cannot talk to the Kubernetes API.
-    - `workspace_*`: the repository the agent works on is mounted with an empty read-only volume
-      over its `.git` (history, other branches and the reference solution are not visible), and
-      `GIT_DIR` points nowhere, so git commands fail.
-    """
-
-    egress_to: tuple[dict[str, Any], ...] | None = ()
-    read_only_root_fs: bool = True
-    automount_service_account_token: bool = False
-    run_as_non_root: bool = False
-    workspace_volume: dict[str, Any] | None = None  # a pod volume source, e.g. {"persistentVolumeClaim": {...}}
-    workspace_path: str = "/workspace"
-    hide_git: bool = True
 
 
 @dataclass(frozen=True)
@@ -98,10 +76,7 @@ class PodTemplate:
         if unknown:
             raise ValueError(f"unknown pod template keys {unknown}; known: {sorted(known)}")
         if isinstance(data.get("sandbox"), dict):
-            sb = dict(data["sandbox"])
-            if sb.get("egress_to") is not None:
-                sb["egress_to"] = tuple(sb["egress_to"])
-            data["sandbox"] = Sandbox(**sb)
+            data["sandbox"] = Sandbox.from_dict(data["sandbox"])
         for key in ("command", "store_url_secret"):
             if data.get(key) is not None:
                 data[key] = tuple(data[key])
@@ -191,6 +166,12 @@ def _sandboxed(pod: dict[str, Any], container: dict[str, Any], sb: Sandbox) -> N
     if sb.run_as_non_root:
         sec["runAsNonRoot"] = True
     container["securityContext"] = sec
+    limits = container.setdefault("resources", {}).setdefault("limits", {})
+    if sb.memory_bytes is not None and "memory" not in limits:  # the template's own limit wins
+        limits["memory"] = str(sb.memory_bytes)
+    container["resources"] = {k: v for k, v in container["resources"].items() if v}
+    if not container["resources"]:
+        del container["resources"]
     volumes: list[dict[str, Any]] = [{"name": "scratch", "emptyDir": {}}]
     mounts: list[dict[str, Any]] = [{"name": "scratch", "mountPath": "/tmp"}]
     if sb.workspace_volume is not None:
@@ -236,7 +217,7 @@ def _manifest(template: PodTemplate, jobs: list[RolloutJob], meta: dict[str, Any
                                  "terminationMessagePath": "/dev/termination-log",
                                  "terminationMessagePolicy": "FallbackToLogsOnError"}
     if template.resources:
-        container["resources"] = template.resources
+        container["resources"] = {k: dict(v) if isinstance(v, dict) else v for k, v in template.resources.items()}
     if template.image_pull_policy:
         container["imagePullPolicy"] = template.image_pull_policy
     pod: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
