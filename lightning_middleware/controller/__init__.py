@@ -14,6 +14,7 @@ from lightning_middleware.controller.backends import (
                                                       ProcessBackend,
                                                       RayBackend,
                                                       Sandbox,
+                                                      SandboxedBackend,
                                                       ThreadBackend,
                                                       make_backend,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "RolloutOutcome",
     "RolloutResult",
     "Sandbox",
+    "SandboxedBackend",
     "ThreadBackend",
     "WorkerLost",
     "compute_metrics",

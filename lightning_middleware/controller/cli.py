@@ -9,11 +9,14 @@ import threading
 import time
 from typing import Any
 
+from lightning_middleware.asgi.auth import TOKEN_ENV
 from lightning_middleware.controller.backends import KubernetesBackend, PodTemplate
 from lightning_middleware.controller.backends.k8s_template import load_template
+from lightning_middleware.controller.backends.sandboxed import SandboxedBackend
 from lightning_middleware.controller.evaluation import Evaluator, format_history, format_metrics
 from lightning_middleware.controller.jobs import RetryPolicy
 from lightning_middleware.controller.rollout_controller import RolloutController, reap_stale
+from lightning_middleware.controller.sandbox import Sandbox, load_sandbox
 from lightning_middleware.controller.worker import run_worker
 from lightning_middleware.errors import UsageError
 from lightning_middleware.store import open_store
@@ -28,7 +31,8 @@ def add_cli(sub: Any) -> None:
         q.add_argument("--tasks", required=True, help="JSONL file, one task (a JSON object) per line")
         q.add_argument("--store", default=None,
                        help="store URL (default: env LIGHTNING_STORE_URL or ./lightning_traces.db)")
-        q.add_argument("--backend", default="auto", choices=["auto", "asyncio", "thread", "process", "ray", "k8s"])
+        q.add_argument("--backend", default="auto", choices=["auto", "asyncio", "thread", "process", "ray", "k8s",
+                                                                  "sandbox"])
         q.add_argument("--concurrency", type=int, default=8)
         q.add_argument("--timeout", type=float, default=None, help="per-rollout timeout, seconds")
         q.add_argument("--retries", type=int, default=2, help="extra attempts after an infrastructure error")
@@ -43,6 +47,12 @@ def add_cli(sub: Any) -> None:
                        help="run up to N rollouts one after another in each Job's pod (default 1)")
         q.add_argument("--k8s-pod-concurrency", type=int, default=1, metavar="K",
                        help="with --k8s-rollouts-per-job: K of a pod's rollouts at once (default 1)")
+        q.add_argument("--gateway", default=None, metavar="URL",
+                       help="for --backend sandbox: the gateway the sandboxed rollouts call (token: "
+                            "$LIGHTNING_GATEWAY_TOKEN)")
+        q.add_argument("--sandbox", default=None, metavar="FILE",
+                       help="for --backend sandbox: the Sandbox settings, a TOML [sandbox] table or JSON "
+                            "(default: the built-in limits)")
         q.add_argument("--rewards", default=None, metavar="FILE",
                        help="a reward configuration (TOML/JSON) each rollout is scored under (docs/rewards.md)")
 
@@ -77,7 +87,9 @@ def add_cli(sub: Any) -> None:
     p.set_defaults(func=lambda _a: (p.print_help(), 2)[1])
 
 
-def _backend_from(args: Any) -> str | KubernetesBackend:
+def _backend_from(args: Any) -> str | KubernetesBackend | SandboxedBackend:
+    if args.backend == "sandbox":
+        return _sandboxed_from(args)
     if args.backend != "k8s":
         return str(args.backend)
     overrides = {"image": args.k8s_image, "namespace": args.k8s_namespace}
@@ -92,6 +104,18 @@ def _backend_from(args: Any) -> str | KubernetesBackend:
                          f"{args.k8s_rollouts_per_job}, {args.k8s_pod_concurrency}")
     return KubernetesBackend(template, api_url=args.k8s_api_url, max_jobs=args.workers,
                              rollouts_per_job=args.k8s_rollouts_per_job, pod_concurrency=args.k8s_pod_concurrency)
+
+
+def _sandboxed_from(args: Any) -> SandboxedBackend:
+    if not args.gateway:
+        raise UsageError("--backend sandbox needs --gateway URL: sandboxed rollouts reach the LLM only "
+                         "through the gateway")
+    if args.rewards:
+        raise UsageError("--backend sandbox is scored by the gateway's reward configuration "
+                         "(lightning-mw gateway --rewards FILE), not --rewards")
+    sandbox = load_sandbox(args.sandbox) if args.sandbox else Sandbox()
+    return SandboxedBackend(args.gateway, token=os.environ.get(TOKEN_ENV) or None, sandbox=sandbox,
+                            workers=args.workers)
 
 
 def _controller_from(args: Any) -> RolloutController:

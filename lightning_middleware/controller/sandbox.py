@@ -112,6 +112,26 @@ class Sandbox:
         return cls(**data)
 
 
+def load_sandbox(path: str) -> Sandbox:
+    """Sandbox settings from a TOML file (a `[sandbox]` table, or the whole file) or a JSON object;
+    a UsageError that names the file and the bad key."""
+    import json
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
+        table = data.get("sandbox", data) if isinstance(data, dict) else data
+        if not isinstance(table, dict):
+            raise ValueError("expected a table of sandbox settings")
+        return Sandbox.from_dict(table)
+    except (OSError, ValueError, TypeError) as exc:  # tomllib's and json's decode errors are ValueErrors
+        raise UsageError(f"sandbox settings {path}: {exc}") from None
+
+
 class SandboxUnavailable(UsageError, RuntimeError):
     """This host cannot enforce the sandbox; never run without it."""
 

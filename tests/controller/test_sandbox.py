@@ -190,3 +190,45 @@ def test_masked_paths_inside_a_bound_directory_cannot_be_read(tmp_path) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:3] == ["visible", "[]", "refused 13"]
+
+
+def test_the_cli_runs_rollouts_in_the_sandbox(setup: Setup, tmp_path, monkeypatch, capsys) -> None:
+    import json
+
+    from lightning_middleware.cli import main
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"task_id": f"c{i}", "prompt": "hi", "a": i, "b": 1}) + "\n"
+                             for i in range(2)))
+    settings = tmp_path / "sandbox.toml"
+    settings.write_text("[sandbox]\nmax_procs = 40\ncpu_s = 20\nenv_allow = ['PATH']\n")
+    url = f"sqlite:///{setup.store_path}"
+    base = ["rollouts", "run", "--agent", CODER, "--tasks", str(tasks), "--store", url, "--backend", "sandbox"]
+    monkeypatch.setenv("LIGHTNING_GATEWAY_TOKEN", TOKEN)
+    assert main([*base, "--gateway", setup.gateway.url, "--sandbox", str(settings), "--concurrency", "2"]) == 0
+    assert "2 rollouts" in capsys.readouterr().out
+    done = [r for r in setup.store.query_rollouts() if r.task_id.startswith("c")]
+    assert [r.status.value for r in done] == ["succeeded"] * 2
+
+    assert main(base) == 2
+    assert "--backend sandbox needs --gateway URL" in capsys.readouterr().err
+    settings.write_text("[sandbox]\nmax_proc = 4\n")
+    assert main([*base, "--gateway", setup.gateway.url, "--sandbox", str(settings)]) == 2
+    assert "unknown sandbox keys ['max_proc']" in capsys.readouterr().err
+
+
+def test_a_kernel_without_the_namespaces_is_refused(tmp_path, monkeypatch) -> None:
+    """Where bwrap cannot make its namespaces (a fake bwrap here fails as one does on such a kernel),
+    the backend refuses to start: never a rollout without the sandbox."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "bwrap").write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    (fake / "bwrap").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    check_host.cache_clear()
+    try:
+        backend = SandboxedBackend("http://127.0.0.1:1")
+        with pytest.raises(SandboxUnavailable, match="No permissions to create new namespace"):
+            backend.start(CODER, None)  # type: ignore[arg-type]
+    finally:
+        check_host.cache_clear()

@@ -1,6 +1,7 @@
 """Where rollouts run: "asyncio" (async agents), "thread" (sync agents), "process" (a pool of
 worker processes), "ray" (actors on a Ray cluster), "k8s" (a Kubernetes Job per rollout, or per
-batch of rollouts), all behind the `Backend` protocol. Ray and the kubernetes client are imported only when used."""
+batch of rollouts), a SandboxedBackend (one bubblewrap sandbox per rollout), all behind the `Backend` protocol.
+Ray and the kubernetes client are imported only when used."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from lightning_middleware.controller.backends.k8s_template import PodTemplate
 from lightning_middleware.controller.backends.local import AsyncioBackend, ThreadBackend
 from lightning_middleware.controller.backends.process import ProcessBackend
 from lightning_middleware.controller.backends.ray_backend import RayBackend
+from lightning_middleware.controller.backends.sandboxed import SandboxedBackend
 from lightning_middleware.controller.execution import AgentFn
 from lightning_middleware.controller.sandbox import Sandbox
 
 __all__ = ["AsyncioBackend", "Backend", "KubernetesBackend", "PodTemplate", "ProcessBackend", "RayBackend", "Sandbox",
-           "ThreadBackend", "make_backend"]
+           "SandboxedBackend", "ThreadBackend", "make_backend"]
 
 
 def make_backend(backend: str | Backend, agent: AgentFn | str, *, concurrency: int,
