@@ -146,6 +146,21 @@ def test_rollout_jobs_are_valid_with_and_without_the_sandbox() -> None:
     env = {e["name"]: e for e in c["env"]}
     assert env["LIGHTNING_STORE_URL"]["valueFrom"]["secretKeyRef"] == {"name": "lightning-store", "key": "url"}
     assert env["GIT_DIR"]["value"].startswith("/dev/null")
+    assert c["resources"] == {"limits": {"memory": str(2 * 2**30)}}  # the local sandbox's memory_bytes
+    own = PodTemplate(image="img:1", resources={"limits": {"memory": "1Gi"}, "requests": {"cpu": "1"}},
+                      sandbox=Sandbox(memory_bytes=4 << 30))
+    r = job_manifest(own, job, run_id="r1", agent_ref="pkg.mod:fn")["spec"]["template"]["spec"]["containers"][0]
+    assert r["resources"] == {"limits": {"memory": "1Gi"}, "requests": {"cpu": "1"}}  # the template's own wins
+    assert own.resources == {"limits": {"memory": "1Gi"}, "requests": {"cpu": "1"}}  # and is not changed
+    unlimited = PodTemplate(image="img:1", sandbox=Sandbox(memory_bytes=None))
+    u = job_manifest(unlimited, job, run_id="r1", agent_ref="pkg.mod:fn")["spec"]["template"]["spec"]
+    assert "resources" not in u["containers"][0]
+    for tmpl in (own, unlimited):
+        _valid(job_manifest(tmpl, job, run_id="r1", agent_ref="pkg.mod:fn"))
+    with pytest.raises(ValueError, match="unknown sandbox keys"):
+        PodTemplate.from_dict({"image": "x", "sandbox": {"max_proc": 3}})
+    with pytest.raises(ValueError, match="max_procs must be a positive whole number"):
+        Sandbox(max_procs=0)
     with pytest.raises(ValueError, match="unknown pod template keys"):
         PodTemplate.from_dict({"image": "x", "imagee": "y"})
 

@@ -232,3 +232,21 @@ def test_a_kernel_without_the_namespaces_is_refused(tmp_path, monkeypatch) -> No
             backend.start(CODER, None)  # type: ignore[arg-type]
     finally:
         check_host.cache_clear()
+
+
+def test_the_breach_kinds_inside_and_outside_agree() -> None:
+    from lightning_middleware.controller import sandbox_entry
+    from lightning_middleware.controller.jobs import BREACHES
+
+    assert set(sandbox_entry.BREACH_KINDS) == set(BREACHES)
+    ws = "/workspace"
+    assert sandbox_entry.classify(FileNotFoundError(2, "gone", "/workspace/x.py"), ws) is None  # its own file
+    assert sandbox_entry.classify(FileNotFoundError(2, "gone", "relative.py"), ws) is None
+    assert sandbox_entry.classify(KeyError("SECRET"), ws) is None
+    try:
+        try:
+            raise ConnectionRefusedError(111, "refused")
+        except ConnectionRefusedError as inner:
+            raise RuntimeError("the SDK's wrapper") from inner
+    except RuntimeError as outer:
+        assert sandbox_entry.classify(outer, ws) == "sandbox_network"

@@ -195,10 +195,14 @@ class _DoorServer:
                 raise RuntimeError("the sandbox's door to the gateway did not start")
             await asyncio.sleep(0.002)
 
-    async def stop(self) -> None:
+    def stop(self) -> None:
+        """Ask the server to stop, without waiting: uvicorn looks every 0.1 s, and the rollout, whose
+        sandbox is gone, need not wait for it (`join` does, at the backend's close)."""
         self.server.should_exit = True
+
+    def join(self) -> None:
         if self.thread.is_alive():
-            await asyncio.to_thread(self.thread.join, 10)
+            self.thread.join(10)
         self.sock.close()
 
 
@@ -225,6 +229,7 @@ class SandboxedBackend:
         self._root: str | None = None
         self._blind = "/dev/null"
         self._doors = ""
+        self._stopping: list[_DoorServer] = []
         self.store: TraceStore | None = None
         self.agent_ref = ""
 
@@ -264,6 +269,9 @@ class SandboxedBackend:
             return await self._run(job)
 
     def close(self) -> None:
+        for door in self._stopping:
+            door.join()
+        self._stopping = []
         if self._client is not None and self._loop is not None and not self._loop.is_closed():
             try:
                 asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop) if self._loop.is_running() \
@@ -303,7 +311,11 @@ class SandboxedBackend:
                 cgroup = PidsCgroup.create(f"r-{rid[:60]}", self.sandbox.max_procs)
             status, error, breach, value = await self._sandboxed(job, work, door_path, cgroup)
         finally:
-            await server.stop()
+            server.stop()
+            for done in [d for d in self._stopping if not d.thread.is_alive()]:
+                done.join()  # closes its socket
+                self._stopping.remove(done)
+            self._stopping.append(server)
             if cgroup is not None:
                 await asyncio.to_thread(cgroup.remove)
             shutil.rmtree(work, ignore_errors=True)
@@ -398,7 +410,7 @@ class SandboxedBackend:
             return RolloutStatus.FAILED.value, f"the sandboxed agent exited with code {code}{tail}", None, None
         if result["ok"]:
             return RolloutStatus.SUCCEEDED.value, None, None, result.get("value")
-        breach = BREACHES.get(result.get("breach") or "")
+        breach = BREACHES.get(result.get("breach") or "")  # kinds as sandbox_entry.BREACH_KINDS names them
         error = result["error"] if breach is None else f"{breach.kind}: {result['error']}"
         status = RolloutStatus.FAILED.value
         if breach is None and "builtins.TimeoutError" in result.get("types", []):
