@@ -86,7 +86,7 @@ def _port_of(url: str) -> int:
 
 
 def test_every_attack_fails_and_ends_its_rollout_with_its_class(setup: Setup, llm_server: LLMTestServer,
-                                                                pg_server, tmp_path) -> None:
+                                                                pg_server, tmp_path, monkeypatch) -> None:
     # A directory the sandbox binds (it is on the agent's import path), holding a checkpoint that a
     # hidden path masks and a second store file, which is masked because the backend's store is there.
     shared = tmp_path / "shared"
@@ -97,7 +97,9 @@ def test_every_attack_fails_and_ends_its_rollout_with_its_class(setup: Setup, ll
         free.bind(("127.0.0.1", 0))
         idle_port = free.getsockname()[1]
     other_root = tmp_path / "rollouts"
-    sandbox = Sandbox(memory_bytes=2 * 2**30, cpu_s=3, max_procs=48, hidden_paths=(str(shared / "ckpt"),))
+    monkeypatch.setenv("LIGHTNING_TEST_ALLOWED", "a-variable-env_allow-names")
+    sandbox = Sandbox(memory_bytes=2 * 2**30, cpu_s=3, max_procs=48, hidden_paths=(str(shared / "ckpt"),),
+                      env_allow=("PATH", "LIGHTNING_TEST_ALLOWED"))
     import sys
 
     backend = SandboxedBackend(setup.gateway.url, token=TOKEN, sandbox=sandbox, workers=2, root=str(other_root),
@@ -107,6 +109,7 @@ def test_every_attack_fails_and_ends_its_rollout_with_its_class(setup: Setup, ll
         "read_checkpoint": ({"attack": "read_store", "path": str(shared / "ckpt" / "model.safetensors")},
                             "failed", "sandbox_fs"),
         "read_secret": ({"var": "LIGHTNING_TEST_SECRET"}, "failed", None),  # KeyError: it is not there
+        "read_allowed": ({"attack": "read_secret", "var": "LIGHTNING_TEST_ALLOWED"}, "succeeded", None),
         "connect_postgres": ({"attack": "connect", "port": pg_port}, "failed", "sandbox_network"),
         "connect_gateway": ({"attack": "connect", "port": _port_of(setup.gateway.url)}, "failed", "sandbox_network"),
         "connect_llm": ({"attack": "connect", "port": _port_of(llm_server.base_url)}, "failed", "sandbox_network"),
