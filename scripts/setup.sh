@@ -44,6 +44,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || [ ! -x .venv/bin/lig
   # (tensordict, via verl) would pull the newest CUDA build.
   .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q -e ".[all,verl]"
+  # BFCL's checker and data, without its declared dependencies (a CUDA torch and 17 vendor SDKs it
+  # needs only to call hosted models): lightning_middleware/benchmarks/bfcl.py
+  .venv/bin/python -m pip install -q --no-deps "bfcl-eval>=2026.3.23,<2027"
   echo "$want" > "$stamp"
 fi
 

@@ -1,6 +1,6 @@
 """Task sets: a JSONL file, a list of dicts, a `datasets.Dataset`, or a benchmark's address
-(`rg:NAME?size=N&seed=S`: reasoning-gym, `lightning_middleware.benchmarks`), each task with a
-unique id."""
+(`rg:NAME?size=N&seed=S`: reasoning-gym; `bfcl:CATEGORY?split=test`: BFCL;
+`lightning_middleware.benchmarks`), each task with a unique id."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from lightning_middleware import benchmarks
 from lightning_middleware.errors import UsageError
 
 # A JSONL path, or dicts (a list, a generator, a `datasets.Dataset`).
@@ -24,10 +25,8 @@ def load_tasks(tasks: TaskSource, *, task_id_key: str = "task_id") -> list[tuple
 
     The task id is `task[task_id_key]`, else `task["id"]`, else "task-<index>".
     """
-    if isinstance(tasks, str) and tasks.startswith("rg:"):
-        from lightning_middleware.benchmarks import reasoning
-
-        tasks = reasoning.tasks(tasks)
+    if benchmarks.is_address(tasks):
+        tasks = benchmarks.tasks_from(str(tasks))
     rows: Iterable[Any] = _read_jsonl(tasks) if isinstance(tasks, (str, os.PathLike)) else tasks
     out: list[tuple[str, dict[str, Any]]] = []
     seen: set[str] = set()

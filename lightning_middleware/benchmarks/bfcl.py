@@ -1,0 +1,230 @@
+"""BFCL (the Berkeley Function Calling Leaderboard, PyPI `bfcl-eval`) as tasks, scored by BFCL's
+own AST checker, for an agent whose framework turns BFCL's function documents into its own tools.
+
+    bfcl:simple_python?split=train&holdout=0.25&limit=200
+
+names a category, which part of it (`split`: all, train or test; an item is in the test part when
+the SHA-256 of its id, read as a fraction, is below `holdout`, so the split is fixed, documented and
+the same on every machine), and at most `limit` items in id order. A task is `{"task_id",
+"messages", "tools", "bfcl": {"category", "id"}}`: the question's first turn and BFCL's functions
+as OpenAI tools, converted by BFCL's own `convert_to_tool` (dots in names become underscores, as
+BFCL does for function-calling models). `make_agent` runs it on LangChain with `wrap()`;
+`bfcl_score` scores the rollout's first answer with BFCL's `ast_checker`: 1.0 when valid, else
+0.0, the checker's `error_type` kept beside it (`no_call` and `malformed_arguments` when there is
+nothing to check, `checker_error` when the checker itself fails on an item).
+
+Installed by the set-up with `pip install --no-deps bfcl-eval` (its declared dependencies pull a
+CUDA torch and 17 vendor SDKs; the checker needs none of them). Three of its modules import those
+SDKs or tree-sitter at import time; where they are missing, stand-ins that hold only what the
+checker and the tool conversion read are registered first (`_import_bfcl`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import json
+import sys
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from lightning_middleware.benchmarks.reasoning import BenchmarkError
+from lightning_middleware.rewards.rules import Score
+from lightning_middleware.rewards.trajectory import Trajectory
+
+SCHEME = "bfcl"
+# The single-turn categories BFCL's AST checker scores (the others need execution or several turns).
+CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "live_simple", "live_multiple",
+              "live_parallel", "live_parallel_multiple")
+SPLITS = ("all", "train", "test")
+DEFAULT_HOLDOUT = 0.25
+MODEL_KEY = "lightning/function-calling"  # our entry in BFCL's model table: names with "_" for "."
+_EXTRA = "pip install --no-deps 'bfcl-eval>=2026.3.23' (scripts/setup.sh does)"
+
+
+@dataclass(frozen=True)
+class Address:
+    category: str
+    split: str = "all"
+    holdout: float = DEFAULT_HOLDOUT
+    limit: int | None = None
+
+    def __str__(self) -> str:
+        limit = "" if self.limit is None else f"&limit={self.limit}"
+        return f"{SCHEME}:{self.category}?split={self.split}&holdout={self.holdout:g}{limit}"
+
+
+def parse(address: str) -> Address:
+    """`bfcl:CATEGORY?split=...&holdout=...&limit=...` as an Address; BenchmarkError naming the problem."""
+    parts = urlsplit(address)
+    if parts.scheme != SCHEME or not parts.path:
+        raise BenchmarkError(f"a BFCL task address is bfcl:CATEGORY[?split=train|test&holdout=F&limit=N], "
+                             f"got {address!r}")
+    if parts.path not in CATEGORIES:
+        raise BenchmarkError(f"unknown BFCL category {parts.path!r}; the AST-checked ones are {', '.join(CATEGORIES)}")
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    unknown = sorted(set(query) - {"split", "holdout", "limit"})
+    if unknown:
+        raise BenchmarkError(f"{address!r}: unknown keys {unknown}; known: split, holdout, limit")
+    split = query.get("split", "all")
+    if split not in SPLITS:
+        raise BenchmarkError(f"{address!r}: split is one of {', '.join(SPLITS)}, got {split!r}")
+    try:
+        holdout = float(query.get("holdout", DEFAULT_HOLDOUT))
+        limit = int(query["limit"]) if "limit" in query else None
+    except ValueError:
+        raise BenchmarkError(f"{address!r}: holdout is a fraction and limit an integer") from None
+    if not 0.0 < holdout < 1.0 or (limit is not None and limit <= 0):
+        raise BenchmarkError(f"{address!r}: holdout must lie strictly between 0 and 1, limit be positive")
+    return Address(parts.path, split, holdout, limit)
+
+
+def _stand_in(name: str, **attrs: Any) -> None:
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    sys.modules[name] = module
+
+
+@functools.lru_cache(maxsize=1)
+def _import_bfcl() -> types.SimpleNamespace:
+    """BFCL's checker, tool conversion and data folder, importable without its vendor SDKs."""
+    try:
+        import bfcl_eval  # noqa: F401
+    except ImportError:
+        raise BenchmarkError(f"bfcl: task addresses need bfcl-eval: {_EXTRA}") from None
+    try:
+        from bfcl_eval.constants import model_config
+    except ImportError:  # it imports every vendor's SDK; the checker reads one attribute of one entry
+        _stand_in("bfcl_eval.constants.model_config", MODEL_CONFIG_MAPPING={})
+        from bfcl_eval.constants import model_config
+    model_config.MODEL_CONFIG_MAPPING.setdefault(MODEL_KEY, types.SimpleNamespace(underscore_to_dot=True))
+    for parser, fn in (("java_parser", "parse_java_function_call"), ("js_parser", "parse_javascript_function_call")):
+        name = f"bfcl_eval.model_handler.parser.{parser}"
+        try:
+            __import__(name)
+        except ImportError:  # tree-sitter, for Java and JavaScript items, which are not offered here
+            _stand_in(name, **{fn: None})
+    from importlib.resources import files
+
+    from bfcl_eval.constants.enums import Language, ModelStyle
+    from bfcl_eval.constants.type_mappings import GORILLA_TO_OPENAPI
+    from bfcl_eval.eval_checker.ast_eval.ast_checker import ast_checker
+    from bfcl_eval.model_handler.utils import convert_to_tool
+
+    def tools(functions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return list(convert_to_tool(functions, GORILLA_TO_OPENAPI, ModelStyle.OPENAI_COMPLETIONS))
+
+    return types.SimpleNamespace(check=ast_checker, python=Language.PYTHON, tools=tools,
+                                 data=files("bfcl_eval") / "data")
+
+
+def _jsonl(path: Any) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+@functools.lru_cache(maxsize=16)
+def items(category: str) -> tuple[dict[str, Any], ...]:
+    """A category's items with their possible answers (`item["answer"]`), in BFCL's order."""
+    bfcl = _import_bfcl()
+    questions = _jsonl(bfcl.data / f"BFCL_v4_{category}.json")
+    answers = {a["id"]: a["ground_truth"] for a in _jsonl(bfcl.data / "possible_answer" / f"BFCL_v4_{category}.json")}
+    return tuple({**q, "answer": answers[q["id"]]} for q in questions if q["id"] in answers)
+
+
+def in_test_split(item_id: str, holdout: float) -> bool:
+    """The fixed split: the first 8 bytes of SHA-256(id) as a fraction in [0, 1), below `holdout`."""
+    return int.from_bytes(hashlib.sha256(item_id.encode()).digest()[:8], "big") / 2**64 < holdout
+
+
+def tasks(address: str) -> list[dict[str, Any]]:
+    """The items an address names, as tasks."""
+    a = parse(address)
+    bfcl = _import_bfcl()
+    out = []
+    for item in items(a.category):
+        test = in_test_split(item["id"], a.holdout)
+        if (a.split == "test" and not test) or (a.split == "train" and test):
+            continue
+        out.append({"task_id": f"bfcl:{item['id']}", "messages": item["question"][0],
+                    "tools": bfcl.tools(item["function"]), "bfcl": {"category": a.category, "id": item["id"]}})
+        if a.limit is not None and len(out) >= a.limit:
+            break
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _item(category: str, item_id: str) -> dict[str, Any]:
+    for item in items(category):
+        if item["id"] == item_id:
+            return item
+    raise BenchmarkError(f"no BFCL item {item_id!r} in {category}")
+
+
+def check(task: Mapping[str, Any], calls: list[tuple[str, dict[str, Any] | None]]) -> Score:
+    """BFCL's verdict on the calls (name, parsed arguments or None) answering `task`."""
+    ref = task.get("bfcl")
+    if not isinstance(ref, Mapping) or "category" not in ref or "id" not in ref:
+        raise BenchmarkError("not a BFCL task: it has no 'bfcl' category and id")
+    if not calls:
+        return Score(0.0, {"valid": False, "error_type": "no_call"})
+    if any(args is None for _, args in calls):
+        return Score(0.0, {"valid": False, "error_type": "malformed_arguments", "calls": len(calls)})
+    item = _item(str(ref["category"]), str(ref["id"]))
+    bfcl = _import_bfcl()
+    output = [{name: args} for name, args in calls]
+    try:
+        verdict = bfcl.check(item["function"], output, item["answer"], bfcl.python, str(ref["category"]),
+                             MODEL_KEY.replace("/", "_"))
+    except Exception as exc:  # noqa: BLE001 - an item the checker cannot take is counted, never a crash
+        return Score(0.0, {"valid": False, "error_type": "checker_error", "error": f"{type(exc).__name__}: {exc}"})
+    errors = verdict.get("error") or []
+    return Score(float(bool(verdict["valid"])), {"valid": bool(verdict["valid"]),
+                                                  "error_type": verdict.get("error_type") if not verdict["valid"]
+                                                  else None, "error": str(errors[0])[:300] if errors else None})
+
+
+def bfcl_score(t: Trajectory) -> Score | None:
+    """Reward rule: BFCL's verdict on the tool calls of the rollout's first LLM call (its answer to
+    the question); absent when the rollout's task is not a BFCL one."""
+    task = t.rollout.input
+    if not isinstance(task, Mapping) or "bfcl" not in task:
+        return None
+    first = min((c.call_index for c in t.calls), default=None)
+    calls = [(tc.name, tc.parsed) for tc in t.tool_calls if tc.call_index == first]
+    return check(task, calls)
+
+
+def make_agent(base_url: str, *, model: str, store: Any = None, temperature: float = 0.0,
+               max_tokens: int = 256, api_key: str = "-") -> Any:
+    """An async agent for the controller: LangChain's ChatOpenAI, wrapped, with the task's BFCL
+    functions bound as its tools; LangChain parses the model's tool calls. One model turn: BFCL's
+    single-turn categories score the first answer. It returns no reward: `bfcl_score`, in the
+    reward configuration, scores the rollout."""
+    import weakref
+
+    import httpx
+    from langchain_openai import ChatOpenAI
+
+    from lightning_middleware import wrap
+
+    # One client per event loop: langchain-openai caches a default async HTTP client per base URL,
+    # which the next controller run (a new loop) would find bound to a closed one.
+    chats: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
+
+    def chat() -> Any:
+        loop = asyncio.get_running_loop()
+        if loop not in chats:
+            llm = ChatOpenAI(model=model, base_url=base_url, api_key=api_key,
+                             temperature=temperature, max_tokens=max_tokens, max_retries=2,
+                             http_async_client=httpx.AsyncClient(timeout=600.0))
+            chats[loop] = wrap(llm, store=store)  # the one line
+        return chats[loop]
+
+    async def agent(task: dict[str, Any]) -> None:
+        await chat().bind_tools(task["tools"]).ainvoke(task["messages"])
+
+    return agent

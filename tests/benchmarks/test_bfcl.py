@@ -1,0 +1,127 @@
+"""BFCL as a task source (lightning_middleware/benchmarks/bfcl.py): addresses and their fixed split,
+BFCL's own items and tools, verdicts from BFCL's own AST checker (right answers built from its
+possible answers score 1.0, changed ones 0.0), and a LangChain agent, unmodified apart from
+`wrap()`, scored through a reward configuration on real rollouts against the test LLM."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import pytest
+
+from lightning_middleware import RewardConfig, TraceStore
+from lightning_middleware.benchmarks import bfcl
+from lightning_middleware.benchmarks.reasoning import BenchmarkError
+from lightning_middleware.controller import RolloutController
+from lightning_middleware.controller.tasks import load_tasks
+from lightning_middleware.testing import LLMTestServer
+
+CONFIG = {"rules": {"bfcl": {"function": "lightning_middleware.benchmarks.bfcl:bfcl_score", "weight": 1.0}},
+          "agent_reward": False}
+
+
+def _choice(options: list[Any]) -> Any:
+    """One acceptable value from BFCL's option list ("" means the parameter may be left out)."""
+    value = next(o for o in options if o != "")
+    return {k: _choice(v) for k, v in value.items() if any(o != "" for o in v)} if isinstance(value, dict) else value
+
+
+def _right_calls(item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The calls BFCL's possible answer describes, with names as the tools carry them (dots as _)."""
+    out = []
+    for call in item["answer"]:
+        ((name, params),) = call.items()
+        args = {k: _choice(v) for k, v in params.items() if any(o != "" for o in v)}
+        out.append((name.replace(".", "_"), args))
+    return out
+
+
+def test_addresses_name_a_category_and_a_fixed_split() -> None:
+    a = bfcl.parse("bfcl:simple_python?split=test&holdout=0.2&limit=7")
+    assert (a.category, a.split, a.holdout, a.limit) == ("simple_python", "test", 0.2, 7)
+    assert bfcl.parse(str(a)) == a
+    train = load_tasks("bfcl:simple_python?split=train")
+    test = load_tasks("bfcl:simple_python?split=test")
+    every = load_tasks("bfcl:simple_python")
+    assert len(every) == 400 and len(train) + len(test) == 400 and 80 <= len(test) <= 120  # holdout 0.25
+    assert not {tid for tid, _ in train} & {tid for tid, _ in test}
+    assert [tid for tid, _ in test] == [tid for tid, _ in load_tasks("bfcl:simple_python?split=test")]
+    assert len(load_tasks("bfcl:multiple?split=test&limit=5")) == 5
+    for bad, why in (("bfcl:simple", "the AST-checked ones are simple_python, multiple"),
+                     ("bfcl:irrelevance", "unknown BFCL category"), ("bfcl:multiple?split=dev", "split is one of"),
+                     ("bfcl:multiple?holdout=1.5", "strictly between"), ("bfcl:multiple?limt=3", "unknown keys"),
+                     ("bfcl:", "bfcl:CATEGORY")):
+        with pytest.raises(BenchmarkError, match=why):
+            load_tasks(bad)
+
+
+def test_the_tasks_are_bfcls_own_items_with_its_functions_as_tools() -> None:
+    (tid, task), *_ = load_tasks("bfcl:multiple?limit=1")
+    item = bfcl.items("multiple")[0]
+    assert tid == f"bfcl:{item['id']}" and task["messages"] == item["question"][0]
+    names = [t["function"]["name"] for t in task["tools"]]
+    assert names == [f["name"].replace(".", "_") for f in item["function"]]
+    assert all(t["type"] == "function" and t["function"]["parameters"]["type"] == "object" for t in task["tools"])
+    json.dumps(task)  # a task travels as JSON (process, sandbox and Kubernetes backends)
+
+
+@pytest.mark.parametrize("category", ["simple_python", "multiple", "live_simple", "parallel"])
+def test_right_answers_score_one_and_changed_ones_zero(category: str) -> None:
+    checked = 0
+    for (_, task), item in zip(load_tasks(f"bfcl:{category}?limit=40"), bfcl.items(category)):
+        calls = _right_calls(item)
+        verdict = bfcl.check(task, calls)
+        if verdict.value != 1.0:  # a possible answer this helper cannot build (nested options): say which
+            pytest.fail(f"{item['id']}: {verdict.detail}")
+        checked += 1
+        name, args = calls[0]
+        wrong_name = bfcl.check(task, [(name + "_x", args), *calls[1:]])
+        assert wrong_name.value == 0.0 and wrong_name.detail["error_type"], item["id"]
+        if args:
+            key = sorted(args)[0]
+            changed = bfcl.check(task, [(name, {**args, key: "no such value 7d1"}), *calls[1:]])
+            assert changed.value == 0.0 and changed.detail["valid"] is False, item["id"]
+    assert checked == 40
+
+
+def test_no_call_malformed_arguments_and_checker_failures_score_zero_and_are_counted() -> None:
+    (_, task), *_ = load_tasks("bfcl:simple_python?limit=1")
+    assert bfcl.check(task, []).detail["error_type"] == "no_call"
+    assert bfcl.check(task, [("calculate_triangle_area", None)]).detail["error_type"] == "malformed_arguments"
+    odd = bfcl.check(task, [("calculate_triangle_area", {"base": {"deep": [object()]}, "height": 5})])
+    assert odd.value == 0.0 and odd.detail["valid"] is False  # the checker's verdict or its failure, never a raise
+    with pytest.raises(BenchmarkError, match="not a BFCL task"):
+        bfcl.check({"question": "q"}, [])
+
+
+def test_a_missing_package_is_one_line_naming_the_install(monkeypatch) -> None:
+    bfcl._import_bfcl.cache_clear()
+    bfcl.items.cache_clear()
+    monkeypatch.setitem(sys.modules, "bfcl_eval", None)  # as if not installed
+    try:
+        with pytest.raises(BenchmarkError, match=r"need bfcl-eval: pip install --no-deps"):
+            load_tasks("bfcl:simple_python")
+    finally:
+        monkeypatch.undo()
+        bfcl._import_bfcl.cache_clear()
+        bfcl.items.cache_clear()
+
+
+def test_a_langchain_agent_is_scored_by_bfcls_checker(llm_server: LLMTestServer, store: TraceStore) -> None:
+    """The test LLM calls the first offered tool with `{"query": ...}`: LangChain parses the call,
+    BFCL's checker refuses it (wrong parameters), and the rollout's reward is that 0.0 with the
+    checker's error type; the calls are recorded with token IDs."""
+    agent = bfcl.make_agent(llm_server.base_url, model="m", store=store)
+    rewards = RewardConfig.from_dict(CONFIG)
+    with RolloutController(agent, store=store, concurrency=2, rewards=rewards) as c:
+        results = c.run("bfcl:simple_python?split=test&limit=3")
+    assert [r.status for r in results] == ["succeeded"] * 3, [r.error for r in results]
+    assert [r.reward for r in results] == [0.0] * 3
+    for r in results:
+        [component] = [w for w in store.rewards(r.rollout_id) if w.name == "bfcl"]
+        assert component.value == 0.0 and component.metadata["detail"]["valid"] is False
+        assert component.metadata["detail"]["error_type"].startswith("simple_function_checker")
+        [call] = store.calls(r.rollout_id)
+        assert call.completion_token_ids and call.response["choices"][0]["message"]["tool_calls"]
