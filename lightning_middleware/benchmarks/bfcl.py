@@ -228,3 +228,22 @@ def make_agent(base_url: str, *, model: str, store: Any = None, temperature: flo
         await chat().bind_tools(task["tools"]).ainvoke(task["messages"])
 
     return agent
+
+
+_env_agents: dict[tuple[str, str, float], Any] = {}
+
+
+async def agent(task: dict[str, Any]) -> None:
+    """`make_agent` as a module-level agent for `--agent lightning_middleware.benchmarks.bfcl:agent`
+    (process, sandboxed or Kubernetes backends): the endpoint from OPENAI_BASE_URL (a sandbox sets
+    it to the rollout's door), the model from LIGHTNING_MODEL (default "policy"), the temperature
+    from the task's `temperature` (default 0: greedy)."""
+    import os
+
+    base_url = os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1")
+    key = (base_url, os.environ.get("LIGHTNING_MODEL", "policy"), float(task.get("temperature", 0.0)))
+    if key not in _env_agents:
+        _env_agents[key] = make_agent(key[0], model=key[1], temperature=key[2],
+                                      api_key=os.environ.get("OPENAI_API_KEY", "-"))
+    await _env_agents[key](task)
+

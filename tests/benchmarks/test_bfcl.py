@@ -125,3 +125,27 @@ def test_a_langchain_agent_is_scored_by_bfcls_checker(llm_server: LLMTestServer,
         assert component.metadata["detail"]["error_type"].startswith("simple_function_checker")
         [call] = store.calls(r.rollout_id)
         assert call.completion_token_ids and call.response["choices"][0]["message"]["tool_calls"]
+
+
+def test_the_bfcl_agent_runs_in_the_sandbox_scored_by_the_gateway(llm_server: LLMTestServer, tmp_path) -> None:
+    """The module-level agent inside a bubblewrap sandbox: OPENAI_BASE_URL is its door to the
+    gateway, whose reward configuration runs BFCL's checker on the rollout as it finishes."""
+    from lightning_middleware.controller import Sandbox, SandboxedBackend
+    from lightning_middleware.gateway import Gateway
+
+    store = TraceStore(f"sqlite:///{tmp_path / 'store.db'}")
+    try:
+        with Gateway([llm_server.base_url], store, rewards=RewardConfig.from_dict(CONFIG), token="t0k",
+                     health_interval_s=0) as gw:
+            backend = SandboxedBackend(gw.url, token="t0k", sandbox=Sandbox(), workers=2,
+                                       env={"LIGHTNING_MODEL": "m"})
+            with RolloutController("lightning_middleware.benchmarks.bfcl:agent", store=store, backend=backend,
+                                   concurrency=2, timeout_s=120) as c:
+                results = c.run("bfcl:multiple?split=test&limit=2")
+        assert [(r.status, r.reward) for r in results] == [("succeeded", 0.0)] * 2, [r.error for r in results]
+        for r in results:
+            [component] = [w for w in store.rewards(r.rollout_id) if w.name == "bfcl"]
+            assert "_checker:" in component.metadata["detail"]["error_type"]  # BFCL's own verdict
+            assert store.calls(r.rollout_id)[0].prompt_token_ids
+    finally:
+        store.close()
