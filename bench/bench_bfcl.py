@@ -31,9 +31,9 @@ RULES = {"rules": {"bfcl": {"function": "lightning_middleware.benchmarks.bfcl:bf
 
 
 def evaluate(base_url: str, model: str, store: TraceStore, address: str, temperature: float,
-             concurrency: int) -> str:
+             concurrency: int, system: str | None = None) -> str:
     tasks = [dict(t, temperature=temperature) for t in bfcl.tasks(address)]
-    agent = bfcl.make_agent(base_url, model=model, store=store, temperature=temperature)
+    agent = bfcl.make_agent(base_url, model=model, store=store, temperature=temperature, system=system)
     t0 = time.perf_counter()
     with RolloutController(agent, store=store, concurrency=concurrency, timeout_s=600,
                            rewards=RewardConfig.from_dict(RULES)) as c:
@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--base-url", default=None, help="an OpenAI-compatible server (default: serve SmolLM2 here)")
     ap.add_argument("--model", default="policy")
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--system", default=None, help="a system message before each question (BFCL sends none)")
+    ap.add_argument("--temperatures", default="0,1", help="comma-separated (default 0,1)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     addresses = args.tasks or ["bfcl:simple_python?split=test", "bfcl:multiple?split=test",
@@ -82,8 +84,9 @@ def main() -> None:
         base_url = server.url + "/v1"
     try:
         for address in addresses:
-            for temperature in (0.0, 1.0):
-                print(evaluate(base_url, args.model, store, address, temperature, args.concurrency), flush=True)
+            for temperature in (float(x) for x in args.temperatures.split(",")):
+                print(evaluate(base_url, args.model, store, address, temperature, args.concurrency, args.system),
+                      flush=True)
     finally:
         if server is not None:
             server.stop()

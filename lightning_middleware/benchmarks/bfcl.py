@@ -199,11 +199,12 @@ def bfcl_score(t: Trajectory) -> Score | None:
 
 
 def make_agent(base_url: str, *, model: str, store: Any = None, temperature: float = 0.0,
-               max_tokens: int = 256, api_key: str = "-") -> Any:
+               max_tokens: int = 256, api_key: str = "-", system: str | None = None) -> Any:
     """An async agent for the controller: LangChain's ChatOpenAI, wrapped, with the task's BFCL
     functions bound as its tools; LangChain parses the model's tool calls. One model turn: BFCL's
     single-turn categories score the first answer. It returns no reward: `bfcl_score`, in the
-    reward configuration, scores the rollout."""
+    reward configuration, scores the rollout. `system`: a system message put before the question
+    (BFCL's own function-calling runs send none)."""
     import weakref
 
     import httpx
@@ -225,7 +226,8 @@ def make_agent(base_url: str, *, model: str, store: Any = None, temperature: flo
         return chats[loop]
 
     async def agent(task: dict[str, Any]) -> None:
-        await chat().bind_tools(task["tools"]).ainvoke(task["messages"])
+        messages = [{"role": "system", "content": system}, *task["messages"]] if system else task["messages"]
+        await chat().bind_tools(task["tools"]).ainvoke(messages)
 
     return agent
 
