@@ -149,7 +149,7 @@ def run_demo(cfg: DemoConfig, run_class: type[DemoRun] | None = None,
 class DemoRun:
     """One demo run's state; the steps are called in order by `run_demo`."""
 
-    rollout_timeout_s = 120.0  # the controller's per-episode hang guard
+    rollout_timeout_s: float | None = 120.0  # the controller's per-episode hang guard
 
     def __init__(self, cfg: DemoConfig) -> None:
         from trainer_backend.engines.precision import describe_machine

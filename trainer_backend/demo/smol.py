@@ -36,10 +36,15 @@ POLICY = "policy"  # the served name the agent calls and RL trains (the model, o
 MAX_TURNS = 3  # model calls per episode: a call, the answer, one spare
 SFT_STEPS = 6  # x 4 demonstrations: 67-73% held-out success, 86-91% valid calls (docs/demo.md)
 MAX_CONCURRENCY = 32
-# A hang guard, not a speed estimate: 32 episodes share two cores, so one episode's time grows with
-# whatever else runs there. Measured: 55 generated tokens/s alone, 15 with a second pytest worker
-# beside it, when a 120 s guard cut 32 of 64 baseline episodes (docs/benchmarks.md). 600 s is 5x that.
-ROLLOUT_TIMEOUT_S = 600.0
+# The episode guard is scaled from this machine's speed, measured in the same run: the baseline
+# evaluation runs without one, and its slowest episode (at the run's own concurrency, beside
+# whatever else shares the cores) times GUARD_FACTOR, at least MIN_GUARD_S, guards RL and the final
+# evaluation. A fixed guard failed both ways: 32 episodes share two cores, and 120 s cut 32 of 64
+# baseline episodes when a second pytest worker ran beside (docs/benchmarks.md). Meanwhile each LLM
+# request's own HTTP timeout bounds a hung call.
+GUARD_FACTOR = 5.0
+MIN_GUARD_S = 60.0
+REQUEST_TIMEOUT_S = 600.0
 # The trainer's activations per micro-batch (~1,100 padded tokens of this model in fp32): a step
 # peaked at 4.8 GB RSS with it, where the engine's 8,192-token micro-batches peaked at 13.1 GB
 # and were OOM-killed beside the vLLM server on a shared 24 GiB machine (docs/demo.md).
@@ -67,7 +72,7 @@ def make_smol_agent(base_url: str, store: TraceStore, model: str = POLICY, max_t
     def graph(temperature: float) -> Any:
         if temperature not in graphs:
             chat = ChatOpenAI(model=model, base_url=base_url, api_key="-", temperature=temperature,
-                              max_tokens=max_tokens, timeout=ROLLOUT_TIMEOUT_S, max_retries=2)
+                              max_tokens=max_tokens, timeout=REQUEST_TIMEOUT_S, max_retries=2)
             llm = wrap(chat, store=store)  # the one line
             graphs[temperature] = create_agent(llm, tools=[calculator_tool()], system_prompt=SYSTEM, name="solver")
         return graphs[temperature]
@@ -112,6 +117,7 @@ def evaluate_smol(controller: RolloutController, store: TraceStore, tasks: list[
     return {"success": sum(1 for r in results if (r.reward or 0.0) >= 1.0) / n, "n": n,
             "valid_tool_call": called / n, "errors": sum(1 for r in results if r.status != "succeeded"),
             "temperature": temperature, "seconds": seconds, "gen_tokens": gen_tokens,
+            "slowest_s": max((r.duration_s for r in results), default=0.0),
             "gen_tokens_per_s": gen_tokens / seconds}
 
 
@@ -119,7 +125,7 @@ class SmolDemoRun(DemoRun):
     """The demo's steps on SmolLM2 with the arithmetic task and a LoRA policy."""
 
     _lora_engine: TorchEngine | None = None
-    rollout_timeout_s = ROLLOUT_TIMEOUT_S
+    rollout_timeout_s: float | None = None  # until the baseline has measured this machine (evaluate)
 
     def __init__(self, cfg: DemoConfig) -> None:
         # 135M on a shared CPU: 128 concurrent rollouts queue for minutes
@@ -200,4 +206,10 @@ class SmolDemoRun(DemoRun):
         for kind, r in res.items():
             say(f"      {kind}: success {r['success']:.1%}, valid tool call {r['valid_tool_call']:.1%}, "
                 f"{r['gen_tokens_per_s']:.0f} generated tokens/s, {r['errors']} errors")
+        if tag == "before":
+            slowest = max(r["slowest_s"] for r in res.values())
+            self.controller.timeout_s = guard = max(MIN_GUARD_S, GUARD_FACTOR * slowest)
+            self.results["episode_guard"] = {"baseline_slowest_s": slowest, "factor": GUARD_FACTOR, "guard_s": guard}
+            say(f"      episode guard: {guard:.0f} s ({GUARD_FACTOR:g} x the slowest baseline episode, "
+                f"{slowest:.1f} s)")
         return res
