@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_middleware.capture import RolloutHandle, rollout
-from lightning_middleware.controller.jobs import RolloutJob, RolloutOutcome, type_names
+from lightning_middleware.controller.jobs import BREACHES, RolloutJob, RolloutOutcome, SandboxBreach, type_names
+from lightning_middleware.controller.sandbox_entry import ENV_SANDBOX, ENV_SANDBOX_WORKSPACE, classify
 from lightning_middleware.errors import UsageError
 from lightning_middleware.records import RolloutStatus
 from lightning_middleware.store import TraceStore, get_store
@@ -47,8 +48,21 @@ def _apply_return(handle: RolloutHandle, value: Any) -> float | None:
 def failure(exc: BaseException, t0: float, worker: str | None) -> RolloutOutcome:
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     status = RolloutStatus.TIMEOUT.value if isinstance(exc, TimeoutError) else RolloutStatus.FAILED.value
+    breach = _breach(exc)
+    if breach is not None:  # a sandboxed pod's rollout: failed with its class, never retried
+        return RolloutOutcome(status=RolloutStatus.FAILED.value, error=f"{breach.kind}: {text}",
+                              error_types=tuple(type_names(breach)), duration_s=time.monotonic() - t0, worker=worker)
     return RolloutOutcome(status=status, error=text, error_types=tuple(type_names(type(exc))),
                           duration_s=time.monotonic() - t0, worker=worker)
+
+
+def _breach(exc: BaseException) -> type[SandboxBreach] | None:
+    """In a rollout the Kubernetes pod template sandboxes (LIGHTNING_SANDBOX=1), the breach an error
+    stands for, by the rule the local sandbox applies inside (sandbox_entry.classify)."""
+    if os.environ.get(ENV_SANDBOX) != "1":
+        return None
+    kind = classify(exc, os.environ.get(ENV_SANDBOX_WORKSPACE, "/workspace"))
+    return None if kind is None else BREACHES[kind]
 
 
 def worker_name() -> str:

@@ -23,6 +23,10 @@ import threading
 from typing import Any
 
 DOOR_PATH = "/run/lightning/door.sock"
+# Set in a sandboxed rollout's environment, here and in a sandboxed Kubernetes pod (whose worker then
+# classes an error as this module does: execution.failure).
+ENV_SANDBOX = "LIGHTNING_SANDBOX"  # "1"
+ENV_SANDBOX_WORKSPACE = "LIGHTNING_SANDBOX_WORKSPACE"  # the work directory's path
 BREACH_KINDS = ("sandbox_network", "sandbox_fs", "sandbox_limit", "sandbox_reward")
 _NET_ERRNOS = {errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL, errno.ENETDOWN}
 _FS_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM}

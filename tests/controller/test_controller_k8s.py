@@ -226,3 +226,31 @@ def test_the_worker_entrypoint_refuses_a_bad_environment(capsys: pytest.CaptureF
     assert run_worker({"LIGHTNING_AGENT": "nosuch_mod:f", "LIGHTNING_ROLLOUT_JOB": job,
                        "LIGHTNING_STORE_URL": "sqlite://"}) == 2
     assert "cannot import the agent 'nosuch_mod:f'" in capsys.readouterr().err
+
+
+def test_a_sandboxed_pods_breach_is_classed_and_not_retried(cluster: Cluster, sq: TraceStore) -> None:
+    """A pod under a `Sandbox` classes an error that is a breach as the local sandbox does (the
+    emulated kubelet runs pods as local processes and enforces none of it: these attacks fail on
+    the host too, a refused port and a path that is not there); the same attacks in a pod without a
+    sandbox are ordinary errors, and a refused connection is retried."""
+    import socket
+
+    api, _ = cluster
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        idle_port = free.getsockname()[1]
+    tasks = [{"task_id": "net", "attack": "connect", "port": idle_port},
+             {"task_id": "fs", "attack": "read_store", "path": "/nonexistent/lightning/traces.db"}]
+    retry = RetryPolicy(max_attempts=2, backoff_s=0.05)  # ConnectionError is retried by default
+    outcomes = {}
+    for boxed in (True, False):
+        backend = _backend(api, template={"sandbox": Sandbox()} if boxed else {})
+        with RolloutController("tests.controller.sandbox_agents:attacker", store=sq, backend=backend,
+                               concurrency=2, timeout_s=60, retry=retry) as c:
+            outcomes[boxed] = {r.task_id: r for r in c.run(tasks)}
+    sandboxed, plain = outcomes[True], outcomes[False]
+    assert (sandboxed["net"].status, sandboxed["net"].attempts) == ("failed", 1)
+    assert sandboxed["net"].error.startswith("sandbox_network: ConnectionRefusedError")
+    assert sandboxed["fs"].error.startswith("sandbox_fs: FileNotFoundError") and sandboxed["fs"].attempts == 1
+    assert (plain["net"].attempts, plain["net"].error.split(":")[0]) == (2, "ConnectionRefusedError")
+    assert plain["fs"].error.startswith("FileNotFoundError")

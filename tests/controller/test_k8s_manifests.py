@@ -146,6 +146,7 @@ def test_rollout_jobs_are_valid_with_and_without_the_sandbox() -> None:
     env = {e["name"]: e for e in c["env"]}
     assert env["LIGHTNING_STORE_URL"]["valueFrom"]["secretKeyRef"] == {"name": "lightning-store", "key": "url"}
     assert env["GIT_DIR"]["value"].startswith("/dev/null")
+    assert env["LIGHTNING_SANDBOX"]["value"] == "1" and env["LIGHTNING_SANDBOX_WORKSPACE"]["value"] == "/workspace"
     assert c["resources"] == {"limits": {"memory": str(2 * 2**30)}}  # the local sandbox's memory_bytes
     own = PodTemplate(image="img:1", resources={"limits": {"memory": "1Gi"}, "requests": {"cpu": "1"}},
                       sandbox=Sandbox(memory_bytes=4 << 30))

@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning_middleware.controller.jobs import RolloutJob
 from lightning_middleware.controller.sandbox import Sandbox
+from lightning_middleware.controller.sandbox_entry import ENV_SANDBOX, ENV_SANDBOX_WORKSPACE
 
 MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "lightning-middleware"
@@ -156,6 +157,9 @@ def _env(template: PodTemplate, jobs: list[RolloutJob], agent_ref: str) -> list[
         env.append({"name": ENV_STORE, "value": template.store_url or job.store_url})
     if template.sandbox is not None and template.sandbox.workspace_volume is not None and template.sandbox.hide_git:
         env.append({"name": "GIT_DIR", "value": "/dev/null/no-git"})
+    if template.sandbox is not None:  # the worker classes a breach as the local sandbox does (execution.py)
+        env += [{"name": ENV_SANDBOX, "value": "1"},
+                {"name": ENV_SANDBOX_WORKSPACE, "value": template.sandbox.workspace_path}]
     return env
 
 

@@ -58,6 +58,7 @@ from lightning_middleware.controller.sandbox import (
     limits_prefix,
     pids_limit_available,
 )
+from lightning_middleware.controller.sandbox_entry import ENV_SANDBOX, ENV_SANDBOX_WORKSPACE
 from lightning_middleware.errors import UsageError
 from lightning_middleware.records import Event, RolloutStatus
 from lightning_middleware.store import TraceStore
@@ -344,7 +345,7 @@ class SandboxedBackend:
         env.update(self.env)
         ws = self.sandbox.workspace_path
         env.update({"HOME": ws, "TMPDIR": ws, "PYTHONPATH": os.pathsep.join(self.python_path),
-                    "PYTHONDONTWRITEBYTECODE": "1", "LIGHTNING_SANDBOX": "1"})
+                    "PYTHONDONTWRITEBYTECODE": "1", ENV_SANDBOX: "1", ENV_SANDBOX_WORKSPACE: ws})
         if self.sandbox.hide_git:
             env["GIT_DIR"] = "/dev/null/no-git"
         return env
