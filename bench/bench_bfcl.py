@@ -1,13 +1,18 @@
 """A served model on BFCL: its accuracy by BFCL's own checker, greedy and at T=1, and how often it
 makes a well-formed call, through the BFCL agent (LangChain, `wrap()`ed) and the rollout controller.
 
-    python bench/bench_bfcl.py [--tasks bfcl:simple_python?split=test] [--tasks ...] [--model smollm2]
+    python bench/bench_bfcl.py [--tasks bfcl:simple_python?split=test] [--tasks ...] [--warm-start STEPS]
 
 Serves SmolLM2-135M-Instruct with its tool-call template (the demo's cached conversion; vLLM's xlam
 parser) unless `--base-url` names a server; every task address is run at temperature 0 and 1, each
 rollout scored by `bfcl_score` (docs/controller.md, "Tasks from a benchmark"). Prints one line per
 address and temperature: BFCL accuracy, the share of answers with a call at all, and of calls
 BFCL could check (no `malformed_arguments`), and the commonest checker error types.
+
+`--warm-start STEPS` serves SmolLM2 after a LoRA SFT (the arithmetic demo's, merged) on STEPS x 4
+demonstrations from the train split of simple_python and multiple: each item's question answered
+with the calls of its possible answer (`bfcl.reference_calls`), shuffled by `--seed`. The test
+split is never shown.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,6 +58,24 @@ def evaluate(base_url: str, model: str, store: TraceStore, address: str, tempera
             f"checkable {checkable / n:.1%}; {common}; {seconds:.0f} s")
 
 
+TRAIN = ("bfcl:simple_python?split=train", "bfcl:multiple?split=train")
+
+
+def demonstrations(n: int, seed: int) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+    """`n` train-split items answered with BFCL's reference calls, in SmolLM2's tool-call turn."""
+    import json
+    import random
+
+    tasks = [t for address in TRAIN for t in bfcl.tasks(address)]
+    random.Random(seed).shuffle(tasks)
+    out = []
+    for i, task in enumerate(tasks[:n]):
+        calls = [{"id": f"call_{i}_{k}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+                 for k, (name, args) in enumerate(bfcl.reference_calls(task))]
+        out.append(([*task["messages"], {"role": "assistant", "content": "", "tool_calls": calls}], task["tools"]))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", action="append", default=None)
@@ -60,6 +84,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--system", default=None, help="a system message before each question (BFCL sends none)")
     ap.add_argument("--temperatures", default="0,1", help="comma-separated (default 0,1)")
+    ap.add_argument("--warm-start", type=int, default=0, metavar="STEPS",
+                    help="SFT SmolLM2 on STEPS x 4 train-split demonstrations first (default 0: untouched)")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     addresses = args.tasks or ["bfcl:simple_python?split=test", "bfcl:multiple?split=test",
@@ -78,6 +105,15 @@ def main() -> None:
         ensure_vllm_env()
         model_dir = tools_model(prepare_smollm2(python=vllm_python()),
                                 lightning_home() / "models" / "smollm2-135m-instruct-tools")
+        if args.warm_start:
+            from trainer_backend.demo.smol_warm import SmolWarmStart, warm_start
+
+            ws = SmolWarmStart(steps=args.warm_start, seed=args.seed)
+            t0 = time.perf_counter()
+            model_dir = warm_start(model_dir, lightning_home() / "demo" / f"smol-bfcl-warm-{ws.key()}", ws,
+                                   demonstrations=demonstrations)
+            print(f"warm start: {ws.key()} ({time.perf_counter() - t0:.0f} s, cached after the first run)",
+                  flush=True)
         server = VLLMServer(model_dir, dtype="float32", served_model_name=args.model, max_model_len=4096,
                             extra_args=["--max-num-seqs", "64"], tool_parser=TOOL_PARSER)
         server.start()

@@ -187,6 +187,28 @@ def check(task: Mapping[str, Any], calls: list[tuple[str, dict[str, Any] | None]
                                                   else None, "error": str(errors[0])[:300] if errors else None})
 
 
+def _choice(options: list[Any]) -> Any:
+    value = next(o for o in options if o != "")  # "" marks a parameter that may be left out
+    if isinstance(value, dict):
+        return {k: _choice(v) for k, v in value.items() if any(o != "" for o in v)}
+    return value
+
+
+def reference_calls(task: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """One answer BFCL accepts for a task, as (tool name, arguments): each call of its possible
+    answer with the first acceptable value of every parameter it gives (what a demonstration for a
+    warm start on the train split shows; `check` accepts it)."""
+    ref = task.get("bfcl")
+    if not isinstance(ref, Mapping):
+        raise BenchmarkError("not a BFCL task: it has no 'bfcl' category and id")
+    out = []
+    for call in _item(str(ref["category"]), str(ref["id"]))["answer"]:
+        ((name, params),) = call.items()
+        args = {k: _choice(v) for k, v in params.items() if any(o != "" for o in v)}
+        out.append((name.replace(".", "_"), args))
+    return out
+
+
 def bfcl_score(t: Trajectory) -> Score | None:
     """Reward rule: BFCL's verdict on the tool calls of the rollout's first LLM call (its answer to
     the question); absent when the rollout's task is not a BFCL one."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
 
 import pytest
 
@@ -20,22 +19,6 @@ from lightning_middleware.testing import LLMTestServer
 
 CONFIG = {"rules": {"bfcl": {"function": "lightning_middleware.benchmarks.bfcl:bfcl_score", "weight": 1.0}},
           "agent_reward": False}
-
-
-def _choice(options: list[Any]) -> Any:
-    """One acceptable value from BFCL's option list ("" means the parameter may be left out)."""
-    value = next(o for o in options if o != "")
-    return {k: _choice(v) for k, v in value.items() if any(o != "" for o in v)} if isinstance(value, dict) else value
-
-
-def _right_calls(item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """The calls BFCL's possible answer describes, with names as the tools carry them (dots as _)."""
-    out = []
-    for call in item["answer"]:
-        ((name, params),) = call.items()
-        args = {k: _choice(v) for k, v in params.items() if any(o != "" for o in v)}
-        out.append((name.replace(".", "_"), args))
-    return out
 
 
 def test_addresses_name_a_category_and_a_fixed_split() -> None:
@@ -71,7 +54,7 @@ def test_the_tasks_are_bfcls_own_items_with_its_functions_as_tools() -> None:
 def test_right_answers_score_one_and_changed_ones_zero(category: str) -> None:
     checked = 0
     for (_, task), item in zip(load_tasks(f"bfcl:{category}?limit=40"), bfcl.items(category)):
-        calls = _right_calls(item)
+        calls = bfcl.reference_calls(task)
         verdict = bfcl.check(task, calls)
         if verdict.value != 1.0:  # a possible answer this helper cannot build (nested options): say which
             pytest.fail(f"{item['id']}: {verdict.detail}")

@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct for the arithmetic demo: its folder with the tools template, and an
-optional short SFT warm start on generated calculator demonstrations.
+optional short SFT warm start on generated calculator demonstrations (or another task's:
+`warm_start(..., demonstrations=...)`, as BFCL's train split in bench/bench_bfcl.py).
 
 Why a warm start: the untouched converted model (Q4_1 GGUF, dequantized) never produced a tool
 call in SmolLM2's documented format on these problems, nor on a plain weather question
@@ -14,6 +15,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -69,9 +71,19 @@ def demonstration(problem: dict[str, Any]) -> list[dict[str, Any]]:
             {"role": "assistant", "content": f"The answer is {result}."}]
 
 
-def sft_example(tok: Any, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+# A demonstration: an episode's messages and the tools it was offered.
+Demonstration = tuple[list[dict[str, Any]], list[dict[str, Any]]]
+
+
+def arith_demonstrations(n: int, seed: int) -> list[Demonstration]:
+    """The arithmetic demo's: `n` problems of their own stream (not the eval split)."""
+    return [(demonstration(p), [TOOL_SCHEMA]) for p in make_problems(n, seed, "sft")]
+
+
+def sft_example(tok: Any, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
     """(token IDs, loss mask): the loss covers the assistant turns and their <|im_end|>."""
-    text = tok.apply_chat_template(messages, tools=[TOOL_SCHEMA], tokenize=False)
+    text = tok.apply_chat_template(messages, tools=tools or [TOOL_SCHEMA], tokenize=False)
     enc = tok(text, return_offsets_mapping=True, add_special_tokens=False)
     spans, start, head = [], 0, "<|im_start|>assistant\n"
     while (i := text.find(head, start)) >= 0:
@@ -82,13 +94,16 @@ def sft_example(tok: Any, messages: list[dict[str, Any]]) -> tuple[list[int], li
     return list(enc["input_ids"]), mask
 
 
-def warm_start(base: Path, out: Path, cfg: SmolWarmStart) -> Path:
-    """LoRA SFT on demonstrations, merged into a plain model folder (cached by config; one process
-    builds it, another asking at once waits)."""
-    return build_once(out, ".done", lambda: _build(base, out, cfg))
+def warm_start(base: Path, out: Path, cfg: SmolWarmStart,
+               demonstrations: Callable[[int, int], list[Demonstration]] = arith_demonstrations) -> Path:
+    """LoRA SFT on `demonstrations(steps x batch, seed)` (default: the arithmetic demo's), merged
+    into a plain model folder (cached by `out`, which names the config and the demonstrations;
+    one process builds it, another asking at once waits)."""
+    return build_once(out, ".done", lambda: _build(base, out, cfg, demonstrations))
 
 
-def _build(base: Path, out: Path, cfg: SmolWarmStart) -> None:
+def _build(base: Path, out: Path, cfg: SmolWarmStart,
+           demonstrations: Callable[[int, int], list[Demonstration]]) -> None:
     import torch
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -101,11 +116,11 @@ def _build(base: Path, out: Path, cfg: SmolWarmStart) -> None:
     tok = AutoTokenizer.from_pretrained(base)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                            peft_config(AdapterConfig(rank=cfg.rank, alpha=2 * cfg.rank)))
-    problems = make_problems(cfg.steps * cfg.batch, cfg.seed, "sft")  # its own stream: not the eval split
+    examples = demonstrations(cfg.steps * cfg.batch, cfg.seed)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     t0, tokens = time.perf_counter(), 0
     for step in range(cfg.steps):
-        batch = [sft_example(tok, demonstration(p)) for p in problems[step * cfg.batch:(step + 1) * cfg.batch]]
+        batch = [sft_example(tok, m, t) for m, t in examples[step * cfg.batch:(step + 1) * cfg.batch]]
         loss = _batch_loss(model, batch, tok.pad_token_id)
         loss.backward()
         opt.step()
