@@ -29,9 +29,9 @@ print("ready", (out / ".done").read_text())
 
 def test_a_second_process_waits_for_the_first_build_and_reuses_it(tmp_path: Path) -> None:
     out = tmp_path / "cache" / "model"
+    t0 = time.monotonic()  # before the launches: the first builder's sleep may start before the second's Popen returns
     procs = [subprocess.Popen([sys.executable, "-c", BUILDER, str(out), name], stdout=subprocess.PIPE, text=True)
              for name in ("a", "b")]
-    t0 = time.monotonic()
     outputs = [p.communicate(timeout=60)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs) and outputs == ["ready ok\n"] * 2
     lines = (tmp_path / "cache" / "builds.log").read_text().splitlines()
