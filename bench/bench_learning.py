@@ -15,6 +15,7 @@ Each is also a plain `lightning-mw demo` command (printed as `command`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import shlex
@@ -70,7 +71,9 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix=f"bench-learning-{args.task}-"))
-    json.dump(run_proof(args.task, args.seed, out), sys.stdout, indent=2, default=str)
+    with contextlib.redirect_stdout(sys.stderr):  # the demo's progress lines; stdout is the JSON alone
+        result = run_proof(args.task, args.seed, out)
+    json.dump(result, sys.stdout, indent=2, default=str)
     print()
 
 
