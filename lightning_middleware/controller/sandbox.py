@@ -26,12 +26,14 @@ import functools
 import os
 import shutil
 import subprocess
+import sys
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_middleware.controller.sandbox_entry import DOOR_PATH  # where the door's socket appears inside
+from lightning_middleware.controller.sandbox_entry import DOOR_PATH, under  # DOOR_PATH: the door's socket, inside
 from lightning_middleware.errors import UsageError
 
 DEFAULT_ENV_ALLOW = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "PYTHONHASHSEED", "PYTHONUNBUFFERED",
@@ -155,14 +157,12 @@ def check_host() -> str:
 
 
 def _under(path: str, roots: Iterable[str]) -> bool:
-    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+    return any(under(path, r) for r in roots)
 
 
 def read_only_paths(python: str, python_path: Sequence[str]) -> list[str]:
     """The host directories a sandboxed Python needs: its installation, its environment's, and the
     import path (an editable install's source tree, the agent's own package)."""
-    import sys
-
     wanted = [sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix,
               str(Path(python).parent.parent), *python_path]
     out: list[str] = []
@@ -231,9 +231,8 @@ class PidsCgroup:
     def root(cls) -> str | None:
         for base in (cls.V1, cls.V2):
             procs = os.path.join(base, "cgroup.procs")
-            v2_ok = base == cls.V1 or "pids" in _read(os.path.join(base, "cgroup.subtree_control"))
-            if os.path.isfile(procs) and os.access(base, os.W_OK) and v2_ok and (
-                    base == cls.V2 or os.path.isdir(base)):
+            pids = base == cls.V1 or "pids" in _read(os.path.join(base, "cgroup.subtree_control"))
+            if pids and os.path.isfile(procs) and os.access(base, os.W_OK):
                 return os.path.join(base, "lightning-sandbox")
         return None
 
@@ -265,8 +264,6 @@ class PidsCgroup:
             except FileNotFoundError:
                 return
             except OSError:  # still emptying
-                import time
-
                 time.sleep(0.02)
 
 

@@ -42,7 +42,8 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return seen
 
 
-def _under(path: str, root: str) -> bool:
+def under(path: str, root: str) -> bool:
+    """Is `path` `root` or inside it (as strings: no file system access)."""
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
@@ -64,7 +65,7 @@ def classify(exc: BaseException, workspace: str) -> str | None:
             return "sandbox_fs"
         if isinstance(e, FileNotFoundError) and e.filename is not None:
             name = os.fsdecode(e.filename)
-            if os.path.isabs(name) and not _under(name, workspace):
+            if os.path.isabs(name) and not under(name, workspace):
                 return "sandbox_fs"
     return None
 

@@ -33,7 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -67,18 +67,9 @@ from lightning_middleware.store.connect import sqlite_file
 log = logging.getLogger(__name__)
 BREACH_EVENT = "sandbox_breach"
 _HOP = {b"host", b"authorization", b"connection", b"keep-alive", b"transfer-encoding", b"content-length",
-        b"proxy-authorization", b"upgrade", b"te"}
+        b"proxy-authorization", b"upgrade", b"te"}  # not passed on to the gateway
+_HOP_BACK = _HOP - {b"content-length"}  # not passed back to the sandbox
 _MAX_BODY = 64 * 2**20
-
-
-@dataclass
-class Breaches:
-    """What one rollout's door saw, first first."""
-
-    seen: list[tuple[type[SandboxBreach], str]] = field(default_factory=list)
-
-    def add(self, kind: type[SandboxBreach], detail: str) -> None:
-        self.seen.append((kind, detail))
 
 
 class Door:
@@ -90,7 +81,7 @@ class Door:
         self.gateway_url = gateway_url.rstrip("/")
         self.token = token
         self.client: httpx.AsyncClient | None = None  # made in the door's own event loop (lifespan)
-        self.breaches = Breaches()
+        self.breaches: list[tuple[type[SandboxBreach], str]] = []  # what it refused, first first
 
     def allows(self, method: str, path: str) -> bool:
         own = f"/rollouts/{self.rid}"
@@ -118,7 +109,7 @@ class Door:
         assert self.client is not None
         method, path = scope["method"], scope["path"]
         if not self.allows(method, path):
-            self.breaches.add(SandboxNetwork, f"{method} {path} through the gateway door")
+            self.breaches.append((SandboxNetwork, f"{method} {path} through the gateway door"))
             await _reply(send, 403, {"error": {"message": f"a sandboxed rollout may use only its own routes "
                                                           f"(/rollouts/{self.rid}/...)",
                                                "type": "permission_error", "code": "sandbox_route"}})
@@ -148,7 +139,7 @@ class Door:
             if response.status_code == 403 and path.endswith("/reward"):
                 raw = await response.aread()
                 if b"reward_refused" in raw:
-                    self.breaches.add(SandboxReward, "POST /reward refused by the reward configuration")
+                    self.breaches.append((SandboxReward, "POST /reward refused by the reward configuration"))
                 await send({"type": "http.response.start", "status": 403, "headers": _out_headers(response)})
                 await send({"type": "http.response.body", "body": raw})
                 return
@@ -162,7 +153,7 @@ class Door:
 
 
 def _out_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP - {b"content-length"}]
+    return [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP_BACK]
 
 
 async def _reply(send: Any, status: int, payload: dict[str, Any]) -> None:
@@ -324,8 +315,8 @@ class SandboxedBackend:
                 os.unlink(door_path)
             except FileNotFoundError:
                 pass
-        if door.breaches.seen:  # what the door saw is authoritative: the agent may have caught its error
-            kind, detail = door.breaches.seen[0]
+        if door.breaches:  # what the door saw is authoritative: the agent may have caught its error
+            kind, detail = door.breaches[0]
             status, error, breach = RolloutStatus.FAILED.value, f"{kind.kind}: {detail}", kind
         if breach is not None:
             await asyncio.to_thread(self._record_breach, rid, breach, error or "")
@@ -339,7 +330,7 @@ class SandboxedBackend:
         else:
             os.makedirs(work)
 
-    def _env(self, job: RolloutJob) -> dict[str, str]:
+    def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k in self.sandbox.env_allow}
         env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
         env.update(self.env)
@@ -364,7 +355,7 @@ class SandboxedBackend:
         r, w = os.pipe()
         cmd = limits_prefix(self.sandbox) + bwrap_command(
             self.sandbox, bwrap=self.bwrap, workspace_dir=work, door_socket=door_path, python=self.python,
-            python_path=self.python_path, env=self._env(job), masked=self._masked(), blind_file=self._blind)
+            python_path=self.python_path, env=self._env(), masked=self._masked(), blind_file=self._blind)
         if cgroup is not None:
             cmd = cgroup.enter_command(cmd)
         spec = {"agent": self.agent_ref, "task": job.task, "rollout_id": job.rollout_id, "result_fd": w}
