@@ -170,12 +170,8 @@ def _sandboxed(pod: dict[str, Any], container: dict[str, Any], sb: Sandbox) -> N
     if sb.run_as_non_root:
         sec["runAsNonRoot"] = True
     container["securityContext"] = sec
-    limits = container.setdefault("resources", {}).setdefault("limits", {})
-    if sb.memory_bytes is not None and "memory" not in limits:  # the template's own limit wins
-        limits["memory"] = str(sb.memory_bytes)
-    container["resources"] = {k: v for k, v in container["resources"].items() if v}
-    if not container["resources"]:
-        del container["resources"]
+    if sb.memory_bytes is not None:  # the template's own limit wins (its resources are a copy here)
+        container.setdefault("resources", {}).setdefault("limits", {}).setdefault("memory", str(sb.memory_bytes))
     volumes: list[dict[str, Any]] = [{"name": "scratch", "emptyDir": {}}]
     mounts: list[dict[str, Any]] = [{"name": "scratch", "mountPath": "/tmp"}]
     if sb.workspace_volume is not None:
