@@ -330,14 +330,7 @@ def from_dict(data: Mapping[str, Any]) -> RewardConfig:
         reward_type=data.get("reward_type", "hybrid"), rules=_components(data.get("rules"), "rule"),
         guards=_components(data.get("guards"), "guard"), reward_model=_model(data.get("reward_model")),
         human=_human(data.get("human")), on_error=data.get("on_error", "drop"), name=data.get("name"),
-        rank_judge=_rank_judge(data.get("rank_judge")), agent_reward=_flag(data.get("agent_reward", True),
-                                                                           "agent_reward"))
-
-
-def _flag(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{where} must be true or false, got {value!r}")
-    return value
+        rank_judge=_rank_judge(data.get("rank_judge")), agent_reward=data.get("agent_reward", True))
 
 
 def load_config(path: str | os.PathLike[str]) -> RewardConfig:
@@ -382,6 +375,8 @@ def _check_shape(cfg: RewardConfig) -> None:
         raise ConfigError(f"component names must be unique, got {names}")
     if not names:
         raise ConfigError("the configuration has no component: give [rules], [guards], [reward_model] or [human]")
+    if not isinstance(cfg.agent_reward, bool):
+        raise ConfigError(f"agent_reward must be true or false, got {cfg.agent_reward!r}")
     reads_reports = [c.name for c in cfg.components if c.function in SELF_REPORTED]
     if not cfg.agent_reward and reads_reports:
         raise ConfigError(f"agent_reward = false refuses the rollout's own rewards, which {reads_reports} read: "
