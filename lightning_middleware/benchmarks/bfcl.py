@@ -156,28 +156,34 @@ def tasks(address: str) -> list[dict[str, Any]]:
     return out
 
 
-@functools.lru_cache(maxsize=4096)
-def _item(category: str, item_id: str) -> dict[str, Any]:
-    for item in items(category):
-        if item["id"] == item_id:
-            return item
-    raise BenchmarkError(f"no BFCL item {item_id!r} in {category}")
+@functools.lru_cache(maxsize=16)
+def _by_id(category: str) -> dict[str, dict[str, Any]]:
+    return {item["id"]: item for item in items(category)}
+
+
+def _task_item(task: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(category, BFCL's item) of a task `tasks` built; BenchmarkError for any other task."""
+    ref = task.get("bfcl")
+    if not isinstance(ref, Mapping) or "category" not in ref or "id" not in ref:
+        raise BenchmarkError("not a BFCL task: it has no 'bfcl' category and id")
+    category = str(ref["category"])
+    item = _by_id(category).get(str(ref["id"]))
+    if item is None:
+        raise BenchmarkError(f"no BFCL item {ref['id']!r} in {category}")
+    return category, item
 
 
 def check(task: Mapping[str, Any], calls: list[tuple[str, dict[str, Any] | None]]) -> Score:
     """BFCL's verdict on the calls (name, parsed arguments or None) answering `task`."""
-    ref = task.get("bfcl")
-    if not isinstance(ref, Mapping) or "category" not in ref or "id" not in ref:
-        raise BenchmarkError("not a BFCL task: it has no 'bfcl' category and id")
+    category, item = _task_item(task)
     if not calls:
         return Score(0.0, {"valid": False, "error_type": "no_call"})
     if any(args is None for _, args in calls):
         return Score(0.0, {"valid": False, "error_type": "malformed_arguments", "calls": len(calls)})
-    item = _item(str(ref["category"]), str(ref["id"]))
     bfcl = _import_bfcl()
     output = [{name: args} for name, args in calls]
     try:
-        verdict = bfcl.check(item["function"], output, item["answer"], bfcl.python, str(ref["category"]),
+        verdict = bfcl.check(item["function"], output, item["answer"], bfcl.python, category,
                              MODEL_KEY.replace("/", "_"))
     except Exception as exc:  # noqa: BLE001 - an item the checker cannot take is counted, never a crash
         return Score(0.0, {"valid": False, "error_type": "checker_error", "error": f"{type(exc).__name__}: {exc}"})
@@ -198,11 +204,8 @@ def reference_calls(task: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]
     """One answer BFCL accepts for a task, as (tool name, arguments): each call of its possible
     answer with the first acceptable value of every parameter it gives (what a demonstration for a
     warm start on the train split shows; `check` accepts it)."""
-    ref = task.get("bfcl")
-    if not isinstance(ref, Mapping):
-        raise BenchmarkError("not a BFCL task: it has no 'bfcl' category and id")
     out = []
-    for call in _item(str(ref["category"]), str(ref["id"]))["answer"]:
+    for call in _task_item(task)[1]["answer"]:
         ((name, params),) = call.items()
         args = {k: _choice(v) for k, v in params.items() if any(o != "" for o in v)}
         out.append((name.replace(".", "_"), args))
