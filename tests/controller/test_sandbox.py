@@ -54,10 +54,9 @@ def setup(llm_server: LLMTestServer, tmp_path, monkeypatch) -> Iterator[Setup]:
     store.close()
 
 
-def _controller(s: Setup, agent: str, sandbox: Sandbox = LIMITS, timeout_s: float = 60.0,
-                workers: int = 2) -> RolloutController:
-    backend = SandboxedBackend(s.gateway.url, token=TOKEN, sandbox=sandbox, workers=workers)
-    return RolloutController(agent, store=s.store, backend=backend, concurrency=workers, timeout_s=timeout_s,
+def _controller(s: Setup, agent: str) -> RolloutController:
+    backend = SandboxedBackend(s.gateway.url, token=TOKEN, sandbox=LIMITS, workers=2)
+    return RolloutController(agent, store=s.store, backend=backend, concurrency=2, timeout_s=60.0,
                              retry=RetryPolicy(max_attempts=3, retry_on=("ConnectionError", "OSError", "MemoryError",
                                                                          "httpx.HTTPError")))
 
