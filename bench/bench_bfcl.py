@@ -9,71 +9,43 @@ rollout scored by `bfcl_score` (docs/controller.md, "Tasks from a benchmark"). P
 address and temperature: BFCL accuracy, the share of answers with a call at all, and of calls
 BFCL could check (no `malformed_arguments`), and the commonest checker error types.
 
-`--warm-start STEPS` serves SmolLM2 after a LoRA SFT (the arithmetic demo's, merged) on STEPS x 4
-demonstrations from the train split of simple_python and multiple: each item's question answered
-with the calls of its possible answer (`bfcl.reference_calls`), shuffled by `--seed`. The test
-split is never shown.
+`--warm-start STEPS` serves SmolLM2 after the BFCL demo's LoRA SFT (trainer_backend/demo/smol_bfcl.py,
+merged; the same cache) on STEPS x 4 demonstrations from the train split of simple_python and
+multiple: each item's question answered with the calls of its possible answer
+(`bfcl.reference_calls`), shuffled by `--seed`. The test split is never shown.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import logging
 import os
 import sys
 import tempfile
 import time
-from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_middleware import RewardConfig, TraceStore  # noqa: E402
 from lightning_middleware.benchmarks import bfcl  # noqa: E402
 from lightning_middleware.controller import RolloutController  # noqa: E402
-
-RULES = {"rules": {"bfcl": {"function": "lightning_middleware.benchmarks.bfcl:bfcl_score", "weight": 1.0}},
-         "agent_reward": False}
+from trainer_backend.demo.smol_bfcl import RULES, demonstrations, outcomes, warm_start_name  # noqa: E402
 
 
 def evaluate(base_url: str, model: str, store: TraceStore, address: str, temperature: float,
              concurrency: int, system: str | None = None) -> str:
     tasks = [dict(t, temperature=temperature) for t in bfcl.tasks(address)]
-    agent = bfcl.make_agent(base_url, model=model, store=store, temperature=temperature, system=system)
+    agent = bfcl.make_agent(base_url, model=model, store=store, system=system)
     t0 = time.perf_counter()
     with RolloutController(agent, store=store, concurrency=concurrency, timeout_s=600,
                            rewards=RewardConfig.from_dict(RULES)) as c:
         results = c.run(tasks, mode="val")
     seconds = time.perf_counter() - t0
-    kinds: collections.Counter[str] = collections.Counter()
-    for r in results:
-        detail = next((w.metadata.get("detail", {}) for w in store.rewards(r.rollout_id) if w.name == "bfcl"), {})
-        kinds[str(detail.get("error_type") or ("valid" if detail.get("valid") else r.status))] += 1
-    n = len(results)
-    right = sum(1 for r in results if (r.reward or 0.0) >= 1.0)
-    called = n - kinds["no_call"] - sum(v for k, v in kinds.items() if k in ("failed", "timeout"))
-    checkable = called - kinds["malformed_arguments"]
-    common = ", ".join(f"{k} {v}" for k, v in kinds.most_common(4))
-    return (f"{address} T={temperature:g}: accuracy {right / n:.1%} ({right}/{n}), a call {called / n:.1%}, "
-            f"checkable {checkable / n:.1%}; {common}; {seconds:.0f} s")
-
-
-TRAIN = ("bfcl:simple_python?split=train", "bfcl:multiple?split=train")
-
-
-def demonstrations(n: int, seed: int) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
-    """`n` train-split items answered with BFCL's reference calls, in SmolLM2's tool-call turn."""
-    import json
-    import random
-
-    tasks = [t for address in TRAIN for t in bfcl.tasks(address)]
-    random.Random(seed).shuffle(tasks)
-    out = []
-    for i, task in enumerate(tasks[:n]):
-        calls = [{"id": f"call_{i}_{k}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
-                 for k, (name, args) in enumerate(bfcl.reference_calls(task))]
-        out.append(([*task["messages"], {"role": "assistant", "content": "", "tool_calls": calls}], task["tools"]))
-    return out
+    o = outcomes(store, results)
+    common = ", ".join(f"{k} {v}" for k, v in list(o["error_types"].items())[:4])
+    return (f"{address} T={temperature:g}: accuracy {o['success']:.1%} "
+            f"({round(o['success'] * o['n'])}/{o['n']}), a call {o['a_call']:.1%}, "
+            f"checkable {o['valid_tool_call']:.1%}; {common}; {seconds:.0f} s")
 
 
 def main() -> None:
@@ -110,7 +82,7 @@ def main() -> None:
 
             ws = SmolWarmStart(steps=args.warm_start, seed=args.seed)
             t0 = time.perf_counter()
-            model_dir = warm_start(model_dir, lightning_home() / "demo" / f"smol-bfcl-warm-{ws.key()}", ws,
+            model_dir = warm_start(model_dir, lightning_home() / "demo" / f"{warm_start_name()}-{ws.key()}", ws,
                                    demonstrations=demonstrations)
             print(f"warm start: {ws.key()} ({time.perf_counter() - t0:.0f} s, cached after the first run)",
                   flush=True)

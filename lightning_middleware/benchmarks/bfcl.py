@@ -4,8 +4,9 @@ own AST checker, for an agent whose framework turns BFCL's function documents in
     bfcl:simple_python?split=train&holdout=0.25&limit=200
 
 names a category, which part of it (`split`: all, train or test; an item is in the test part when
-the SHA-256 of its id, read as a fraction, is below `holdout`, so the split is fixed, documented and
-the same on every machine), and at most `limit` items in id order. A task is `{"task_id",
+the SHA-256 of its question, read as a fraction, is below `holdout`, so the split is fixed,
+documented, the same on every machine, and the same for a question BFCL asks in several
+categories), and at most `limit` items in id order. A task is `{"task_id",
 "messages", "tools", "bfcl": {"category", "id"}}`: the question's first turn and BFCL's functions
 as OpenAI tools, converted by BFCL's own `convert_to_tool` (dots in names become underscores, as
 BFCL does for function-calling models). `make_agent` runs it on LangChain with `wrap()`;
@@ -135,9 +136,17 @@ def items(category: str) -> tuple[dict[str, Any], ...]:
     return tuple({**q, "answer": answers[q["id"]]} for q in questions if q["id"] in answers)
 
 
-def in_test_split(item_id: str, holdout: float) -> bool:
-    """The fixed split: the first 8 bytes of SHA-256(id) as a fraction in [0, 1), below `holdout`."""
-    return int.from_bytes(hashlib.sha256(item_id.encode()).digest()[:8], "big") / 2**64 < holdout
+def split_key(item: Mapping[str, Any]) -> str:
+    """What the split is decided by: the item's user turns. Not its id: BFCL asks the same
+    question in several categories (34 of the 140 test items of simple_python and multiple,
+    split by id, were asked verbatim in the other's train part), and a held-out question must be
+    held out everywhere."""
+    return "\n".join(str(m.get("content")) for turn in item["question"] for m in turn if m.get("role") == "user")
+
+
+def in_test_split(key: str, holdout: float) -> bool:
+    """The fixed split: the first 8 bytes of SHA-256(key) as a fraction in [0, 1), below `holdout`."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64 < holdout
 
 
 def tasks(address: str) -> list[dict[str, Any]]:
@@ -146,7 +155,7 @@ def tasks(address: str) -> list[dict[str, Any]]:
     bfcl = _import_bfcl()
     out = []
     for item in items(a.category):
-        test = in_test_split(item["id"], a.holdout)
+        test = in_test_split(split_key(item), a.holdout)
         if (a.split == "test" and not test) or (a.split == "train" and test):
             continue
         out.append({"task_id": f"bfcl:{item['id']}", "messages": item["question"][0],
@@ -228,8 +237,8 @@ def make_agent(base_url: str, *, model: str, store: Any = None, temperature: flo
     """An async agent for the controller: LangChain's ChatOpenAI, wrapped, with the task's BFCL
     functions bound as its tools; LangChain parses the model's tool calls. One model turn: BFCL's
     single-turn categories score the first answer. It returns no reward: `bfcl_score`, in the
-    reward configuration, scores the rollout. `system`: a system message put before the question
-    (BFCL's own function-calling runs send none)."""
+    reward configuration, scores the rollout. A task's own `temperature` wins over `temperature`.
+    `system`: a system message put before the question (BFCL's own function-calling runs send none)."""
     import weakref
 
     import httpx
@@ -252,12 +261,13 @@ def make_agent(base_url: str, *, model: str, store: Any = None, temperature: flo
 
     async def agent(task: dict[str, Any]) -> None:
         messages = [{"role": "system", "content": system}, *task["messages"]] if system else task["messages"]
-        await chat().bind_tools(task["tools"]).ainvoke(messages)
+        t = float(task.get("temperature", temperature))
+        await chat().bind_tools(task["tools"], temperature=t).ainvoke(messages)
 
     return agent
 
 
-_env_agents: dict[tuple[str, str, float], Any] = {}
+_env_agents: dict[tuple[str, str], Any] = {}
 
 
 async def agent(task: dict[str, Any]) -> None:
@@ -268,9 +278,9 @@ async def agent(task: dict[str, Any]) -> None:
     import os
 
     base_url = os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1")
-    key = (base_url, os.environ.get("LIGHTNING_MODEL", "policy"), float(task.get("temperature", 0.0)))
+    key = (base_url, os.environ.get("LIGHTNING_MODEL", "policy"))
     if key not in _env_agents:
-        _env_agents[key] = make_agent(key[0], model=key[1], temperature=key[2],
+        _env_agents[key] = make_agent(key[0], model=key[1],
                                       api_key=os.environ.get("OPENAI_API_KEY", "-"))
     await _env_agents[key](task)
 

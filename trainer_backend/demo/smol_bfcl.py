@@ -1,0 +1,132 @@
+"""`lightning-mw demo --task bfcl`: SmolLM2-135M-Instruct learns BFCL function calling with RL.
+
+The agent is `lightning_middleware.benchmarks.bfcl.make_agent` (LangChain's ChatOpenAI with the
+item's BFCL functions bound as tools, `wrap()`ed); every rollout is scored by BFCL's own AST
+checker through the reward configuration (`bfcl_score`, `agent_reward = false`), so the trainer
+learns from the benchmark's verdict and never from the agent.
+
+- Train: the train splits of `simple_python` and `multiple` (`bfcl:...?split=train`, 453 items),
+  shuffled by the seed.
+- Held out: the test splits of the same categories (147 items), greedy and at T=1, and
+  `live_simple`'s test split (52 items of a category never trained on), greedy.
+- Warm start: the untouched model makes no call at all on these items (0/100, docs/benchmarks.md),
+  so RL would see no reward; a LoRA SFT on train-split items answered with their reference calls
+  (`demonstrations`), merged, comes first, as the arithmetic task's does. The test splits are never
+  shown.
+
+Everything else (serving, the trainer, hot swaps, the episode guard) is the arithmetic task's
+(smol.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lightning_middleware import RewardConfig, TraceStore
+from lightning_middleware.benchmarks import bfcl
+from lightning_middleware.controller import RolloutController, RolloutResult
+from trainer_backend.demo.run import DemoConfig
+from trainer_backend.demo.smol import POLICY, SmolDemoRun
+from trainer_backend.demo.smol_warm import Demonstration
+
+TRAIN = ("bfcl:simple_python?split=train", "bfcl:multiple?split=train")
+HELD_OUT = ("bfcl:simple_python?split=test", "bfcl:multiple?split=test")
+UNSEEN = "bfcl:live_simple?split=test"  # a category the run never trains on
+RULES: dict[str, Any] = {"rules": {"bfcl": {"function": "lightning_middleware.benchmarks.bfcl:bfcl_score",
+                                            "weight": 1.0}},
+                         "agent_reward": False}
+# 12 x 4 demonstrations: 23% greedy on simple_python's test split from 0% (docs/benchmarks.md)
+SFT_STEPS = 12
+MAX_TOKENS = 256  # a call with its arguments; BFCL's longest reference calls are ~150 tokens
+MAX_MODEL_LEN = 4096  # the longest `multiple` prompt (its functions' schemas) is ~2,300 tokens
+
+
+def demonstrations(n: int, seed: int) -> list[Demonstration]:
+    """`n` train-split items answered with BFCL's reference calls, as SmolLM2's tool-call turn."""
+    tasks = [t for address in TRAIN for t in bfcl.tasks(address)]
+    random.Random(seed).shuffle(tasks)
+    out = []
+    for i, task in enumerate(tasks[:n]):
+        calls = [{"id": f"call_{i}_{k}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+                 for k, (name, args) in enumerate(bfcl.reference_calls(task))]
+        out.append(([*task["messages"], {"role": "assistant", "content": "", "tool_calls": calls}], task["tools"]))
+    return out
+
+
+def warm_start_name() -> str:
+    """The warm start's cache prefix, naming the train split it was shown (a changed split is a
+    new warm start, never a stale one that saw today's held-out items)."""
+    ids = sorted(t["task_id"] for address in TRAIN for t in bfcl.tasks(address))
+    return "smol-bfcl-warm-" + hashlib.sha256(",".join(ids).encode()).hexdigest()[:8]
+
+
+def outcomes(store: TraceStore, results: list[RolloutResult]) -> dict[str, Any]:
+    """BFCL accuracy of finished rollouts, the share with a call at all and with calls BFCL could
+    check, and the checker's error types (from the `bfcl` reward each rollout was given)."""
+    kinds: collections.Counter[str] = collections.Counter()
+    for r in results:
+        detail: dict[str, Any] = next((w.metadata.get("detail", {}) for w in store.rewards(r.rollout_id)
+                                       if w.name == "bfcl"), {})
+        kinds[str(detail.get("error_type") or ("valid" if detail.get("valid") else r.status))] += 1
+    n = max(1, len(results))
+    called = len(results) - kinds["no_call"] - sum(v for k, v in kinds.items() if k in ("failed", "timeout"))
+    checkable = called - kinds["malformed_arguments"]
+    return {"success": sum(1 for r in results if (r.reward or 0.0) >= 1.0) / n, "n": len(results),
+            "a_call": called / n, "valid_tool_call": checkable / n,
+            "errors": sum(1 for r in results if r.status != "succeeded"), "error_types": dict(kinds.most_common())}
+
+
+def evaluate_bfcl(controller: RolloutController, store: TraceStore, tasks: list[dict[str, Any]], *,
+                  temperature: float, tag: str) -> dict[str, Any]:
+    """`outcomes` of one pass over `tasks` at `temperature` (mode="val": never trained on)."""
+    t0 = time.perf_counter()
+    batch = [dict(t, temperature=temperature, task_id=f"{t['task_id']}-{tag}") for t in tasks]
+    results = controller.run(batch, n=1, mode="val", metadata={"eval": tag})
+    seconds = time.perf_counter() - t0
+    gen_tokens = sum(len(c.completion_token_ids) for r in results for c in store.calls(r.rollout_id))
+    return {**outcomes(store, results), "temperature": temperature, "seconds": seconds, "gen_tokens": gen_tokens,
+            "slowest_s": max((r.duration_s for r in results), default=0.0), "gen_tokens_per_s": gen_tokens / seconds}
+
+
+class BfclDemoRun(SmolDemoRun):
+    """The SmolLM2 demo's steps on BFCL: its tasks, its checker as the reward, its warm start."""
+
+    sft_steps = SFT_STEPS
+    max_model_len = MAX_MODEL_LEN
+    task_noun = "BFCL items"
+
+    def __init__(self, cfg: DemoConfig) -> None:
+        super().__init__(cfg)
+        train = [t for address in TRAIN for t in bfcl.tasks(address)]
+        random.Random(f"bfcl:train:{cfg.seed}").shuffle(train)
+        self.train_tasks = train
+        held_out = [t for address in HELD_OUT for t in bfcl.tasks(address)]
+        self.eval_tasks = held_out[:cfg.eval_tasks]
+        self.unseen_tasks = bfcl.tasks(UNSEEN)
+        self.warm_start_name = warm_start_name()  # the cache bench/bench_bfcl.py's --warm-start shares
+        # the benchmark's checker scores every rollout; the agent's own word is refused
+        self.reward_config = RewardConfig.from_dict(RULES)
+        self.results["rewards"] = {"config": self.reward_config.describe(), "hash": self.reward_config.hash}
+
+    def _demonstrations(self) -> Callable[[int, int], list[Demonstration]]:
+        return demonstrations
+
+    def _agent(self, base_url: str, store: TraceStore) -> Any:
+        return bfcl.make_agent(base_url, model=POLICY, store=store, max_tokens=MAX_TOKENS)
+
+    def _evaluate_pass(self, tasks: list[dict[str, Any]], temperature: float, tag: str) -> dict[str, Any]:
+        assert self.controller is not None and self.store is not None
+        return evaluate_bfcl(self.controller, self.store, tasks, temperature=temperature, tag=tag)
+
+    def evaluate(self, tag: str) -> dict[str, Any]:
+        res = super().evaluate(tag)
+        if self.cfg.greedy:
+            res["unseen_greedy"] = unseen = self._evaluate_pass(self.unseen_tasks, 0.0, f"{tag}-unseen-greedy")
+            self._say_pass(f"greedy, {UNSEEN} (never trained on)", unseen)
+        return res
