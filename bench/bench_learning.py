@@ -3,12 +3,15 @@
     python bench/bench_learning.py guess [--seed 0]   # 40 steps, 512 held-out tasks   (~10 min, 2 cores)
     python bench/bench_learning.py team  [--seed 0]   # 20 steps, 256 held-out tasks   (~15 min)
     python bench/bench_learning.py smol  [--seed 0]   # 6 steps, 128 held-out problems (~15 min AVX512-BF16)
+    python bench/bench_learning.py bfcl  [--seed 0]   # 30 min of RL, 147 held-out BFCL items, greedy (~70 min)
 
 Each was the CI test of its demo until the suite's budget (docs/benchmarks.md, "The test suite")
 moved them here; the suite keeps a short run of each that asserts the served policy's preference
 for rewarded completions (tests/demo/learning.py), which needs no held-out sampling. A held-out
 gain needs hundreds of episodes twice to rise above its sampling noise: these runs measure it.
-Prints one JSON object: the gain, the margin the old test asked for, and whether it was met.
+Prints one JSON object: the gain, the margin asked for, and whether it was met, with sampled (T=1)
+and, where the run evaluates greedily, greedy success before and after. The margin is on the
+sampled gain for the demos and on the greedy one for BFCL (issue 32: what a deployed agent sees).
 Each is also a plain `lightning-mw demo` command (printed as `command`).
 """
 
@@ -29,7 +32,7 @@ from lightning_middleware.cli import build_parser
 from trainer_backend.demo.cli import config_from
 from trainer_backend.demo.run import DemoRun, run_demo
 
-# task: (the demo's flags, the held-out gain its old CI test asked for, in pp)
+# task: (the demo's flags, the held-out gain asked for, in pp)
 PROOFS: dict[str, tuple[list[str], float]] = {
     # 40 steps: +16.4 pp (bf16 warm start), +12.9 pp (fp32, AVX2); 512 tasks: ~3.1 pp of noise
     "guess": (["--max-steps", "40", "--minutes", "8", "--eval-tasks", "512", "--no-greedy"], 6.0),
@@ -37,7 +40,10 @@ PROOFS: dict[str, tuple[list[str], float]] = {
     "team": (["--task", "team", "--max-steps", "20", "--minutes", "10", "--eval-tasks", "256", "--no-greedy"], 5.0),
     # +9.4 and +10.9 pp (docs/demo.md, "SmolLM2 CI test"); 128 problems: ~5.4 pp of noise
     "smol": (["--model", "smollm2", "--task", "arith", "--max-steps", "6", "--minutes", "25", "--no-greedy"], 0.0),
+    # the issue's target: +10 pp greedy on held-out items in at most 30 min of RL (its recipe's budget)
+    "bfcl": (["--task", "bfcl"], 10.0),
 }
+GREEDY_MARGIN = {"bfcl"}  # the proofs whose margin is on greedy success
 
 
 def run_proof(task: str, seed: int, out: Path) -> dict[str, Any]:
@@ -53,11 +59,19 @@ def run_proof(task: str, seed: int, out: Path) -> dict[str, Any]:
         from trainer_backend.demo.smol import SmolDemoRun
 
         run_class = SmolDemoRun
+    elif task == "bfcl":
+        from trainer_backend.demo.smol_bfcl import BfclDemoRun
+
+        run_class = BfclDemoRun
     res = run_demo(cfg, run_class)
-    before, after = res["before"]["sampled"]["success"], res["after"]["sampled"]["success"]
+    kind = "greedy" if task in GREEDY_MARGIN else "sampled"
+    before, after = res["before"][kind]["success"], res["after"][kind]["success"]
     gain = res["roles"]["success"]["gain_pp"] if task == "team" else 100 * (after - before)
+    passes = {f"{k}_{tag}": res[tag][k]["success"] for k in ("sampled", "greedy", "unseen_greedy")
+              for tag in ("before", "after") if k in res[tag]}
     return {"task": task, "seed": seed, "command": "lightning-mw " + shlex.join(argv[:-2]),
-            "machine": res["machine"], "before": before, "after": after, "gain_pp": round(gain, 1),
+            "machine": res["machine"], "measure": kind, "before": before, "after": after, **passes,
+            "gain_pp": round(gain, 1),
             "margin_pp": margin, "met": gain > margin if margin == 0 else gain >= margin, "steps": res["steps"],
             "rl_min": round(res["timings"]["rl_s"] / 60, 2), "total_min": round(res["timings"]["total_s"] / 60, 2),
             "load_avg": res["load_avg"]}
