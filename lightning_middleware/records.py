@@ -243,6 +243,11 @@ class EvalResult:
     id: int | None = None
 
 
+# The event a confined rollout's attempt to get out leaves (data: rollout_id, class, and what it
+# tried), written by the sandboxed backend's door or by the gateway for a rollout-scoped token.
+SANDBOX_BREACH = "sandbox_breach"
+
+
 @dataclass(frozen=True)
 class Event:
     """Something a component noticed, e.g. a trainer health check ("entropy_collapse")."""

@@ -1,6 +1,11 @@
 """Who may use the gateway: the bearer token every route but /health needs when one is set,
 compared in constant time; without a token, loopback only (a gateway that listens off loopback
-must have one, and a request from off loopback is refused)."""
+must have one, and a request from off loopback is refused).
+
+A rollout-scoped token (`rollout_token`) is derived from the gateway's token by HMAC and opens
+only one rollout's own routes (its LLM calls, reading it, its reward): what a confined rollout
+(a sandbox, a pod) holds instead of the gateway's token. The gateway checks it without storing
+anything, and it names its rollout, so a refused use is that rollout's breach."""
 
 from __future__ import annotations
 
@@ -46,6 +51,26 @@ def tokens_match(given: str, token: str) -> bool:
     """Constant-time comparison; both sides are hashed first, so the time does not depend on the
     token's length either."""
     return hmac.compare_digest(hashlib.sha256(given.encode()).digest(), hashlib.sha256(token.encode()).digest())
+
+
+ROLLOUT_TOKEN_PREFIX = "lmr1."
+_MAC_HEX = 64
+
+
+def rollout_token(token: str, rollout_id: str) -> str:
+    """The bearer token for `rollout_id`'s own routes at a gateway whose token is `token`."""
+    mac = hmac.new(token.encode(), f"rollout:{rollout_id}".encode(), hashlib.sha256).hexdigest()
+    return f"{ROLLOUT_TOKEN_PREFIX}{mac}.{rollout_id}"
+
+
+def scoped_rollout(token: str | None, authorization: str) -> str | None:
+    """The rollout a genuine rollout-scoped bearer token in `authorization` names, else None."""
+    scheme, _, value = authorization.partition(" ")
+    value = value.strip()
+    if not token or scheme.lower() != "bearer" or not value.startswith(ROLLOUT_TOKEN_PREFIX):
+        return None
+    rid = value[len(ROLLOUT_TOKEN_PREFIX) + _MAC_HEX + 1:]
+    return rid if rid and tokens_match(value, rollout_token(token, rid)) else None
 
 
 def check_bearer(token: str | None, authorization: str) -> None:

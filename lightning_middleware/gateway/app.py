@@ -12,7 +12,7 @@ from lightning_middleware.asgi.replies import Receive, Scope, Send
 from lightning_middleware.gateway.requests import check_headers, parse_object, proxy_route, receive_body
 from lightning_middleware.gateway.reward_keys import IDEMPOTENCY_HEADER
 from lightning_middleware.gateway.rollout_policies import policies_from_metadata
-from lightning_middleware.gateway.rollouts import check_rollout_id
+from lightning_middleware.gateway.rollouts import REWARD_REFUSED, check_rollout_id
 from lightning_middleware.records import Rollout, RolloutStatus
 
 if TYPE_CHECKING:  # the gateway builds its app: a type-only import keeps the arrow one-way
@@ -72,11 +72,15 @@ def build_routes(gw: Gateway) -> Starlette:
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    def endpoint(fn: Any, *, auth: bool = True) -> Any:
+    def endpoint(fn: Any, *, auth: bool = True, scoped: bool = False) -> Any:
+        """`scoped`: a route of one rollout that its rollout-scoped token may use (asgi/auth.py)."""
         async def handler(request: Request) -> Any:
             try:
                 if auth:
-                    gw.check_auth(request.headers.get("authorization", ""), request.scope.get("client"))
+                    request.state.scoped = gw.check_auth(
+                        request.headers.get("authorization", ""), request.scope.get("client"),
+                        rollout_id=request.path_params.get("rid") if scoped else None,
+                        route=f"{request.method} {request.url.path}")
                 return await fn(request)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
                 return error_reply(exc, request.method, request.url.path)
@@ -113,8 +117,13 @@ def build_routes(gw: Gateway) -> Starlette:
         return JSONResponse({**rollout_json(stored, request), "in_flight": gw.rollouts.in_flight(rid)})
 
     async def reward(request: Request) -> Any:
-        return await gw.reward_keys.post(request.path_params["rid"], await json_body(request),
-                                         request.headers.get(IDEMPOTENCY_HEADER))
+        rid = request.path_params["rid"]
+        try:
+            return await gw.reward_keys.post(rid, await json_body(request), request.headers.get(IDEMPOTENCY_HEADER))
+        except HTTPError as exc:  # a confined rollout that sends its own reward where the configuration refuses it
+            if exc.code == REWARD_REFUSED and request.state.scoped:
+                gw.record_breach(rid, "sandbox_reward", "POST /reward refused by the reward configuration")
+            raise
 
     async def finish(request: Request) -> Any:
         done = await gw.rollouts.finish(request.path_params["rid"], await json_body(request, optional=True),
@@ -168,11 +177,11 @@ def build_routes(gw: Gateway) -> Starlette:
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
         Route("/v1/models", endpoint(models), methods=["GET"]),
         Route("/rollouts", endpoint(create), methods=["POST"]),
-        Route("/rollouts/{rid}", endpoint(get_rollout), methods=["GET"]),
-        Route("/rollouts/{rid}/reward", endpoint(reward), methods=["POST"]),
+        Route("/rollouts/{rid}", endpoint(get_rollout, scoped=True), methods=["GET"]),
+        Route("/rollouts/{rid}/reward", endpoint(reward, scoped=True), methods=["POST"]),
         Route("/rollouts/{rid}/finish", endpoint(finish), methods=["POST"]),
         Route("/rollouts/{rid}/fail", endpoint(fail), methods=["POST"]),
-        Route("/rollouts/{rid}/v1/models", endpoint(models), methods=["GET"]),
+        Route("/rollouts/{rid}/v1/models", endpoint(models, scoped=True), methods=["GET"]),
         Route("/admin/pause", endpoint(pause), methods=["POST"]),
         Route("/admin/resume", endpoint(resume), methods=["POST"]),
         Route("/admin/state", endpoint(state), methods=["GET"]),

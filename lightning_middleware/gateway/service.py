@@ -51,7 +51,14 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from lightning_middleware import fastjson
-from lightning_middleware.asgi.auth import TOKEN_ENV, check_bearer, check_client, checked_token, is_loopback
+from lightning_middleware.asgi.auth import (
+    TOKEN_ENV,
+    check_bearer,
+    check_client,
+    checked_token,
+    is_loopback,
+    scoped_rollout,
+)
 from lightning_middleware.asgi.error_replies import GatewayConfigError, HTTPError, error_reply, upstream_error
 from lightning_middleware.asgi.replies import Full, Scope, Send, StreamResponse, bind_socket
 from lightning_middleware.capture import ROLLOUT_HEADER, scrub_secrets
@@ -65,7 +72,7 @@ from lightning_middleware.gateway.reward_keys import RewardKeys, check_key
 from lightning_middleware.gateway.rollouts import RolloutEntry, RolloutRegistry
 from lightning_middleware.gateway.translation import TranslatedCall, in_format, translate_call
 from lightning_middleware.gateway.upstreams import Upstream, UpstreamPool
-from lightning_middleware.records import new_id
+from lightning_middleware.records import SANDBOX_BREACH, Event, new_id
 from lightning_middleware.rewards import RewardConfig, Scorer, load_config
 from lightning_middleware.store import TraceStore, get_store
 
@@ -134,6 +141,7 @@ class Gateway:
         self.pool = UpstreamPool(upstreams, health_timeout_s=health_timeout_s)
         self.store = get_store(store)
         self.host, self.port, self.token = host, port, token
+        self._breaches: set[tuple[str, str]] = set()  # (rollout, class) already recorded
         self.upstream_api_key = upstream_api_key
         self.max_body_bytes, self.max_header_bytes = max_body_bytes, max_header_bytes
         self.keep_alive_s = keep_alive_s
@@ -299,7 +307,8 @@ class Gateway:
         pairs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
         try:
             headers = dict(pairs)
-            self.check_auth(headers.get("authorization", ""), scope.get("client"))
+            self.check_auth(headers.get("authorization", ""), scope.get("client"), rollout_id=rollout_id,
+                            route=f"POST {scope['path']}")
             reply = await self.proxy(pairs, headers, receive, path, rollout_id)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
             reply = error_reply(exc, "POST", scope["path"])
@@ -312,10 +321,40 @@ class Gateway:
         """The format a proxy path's requests are translated from, or None (sent as they are)."""
         return FORMATS.get(path) if self.translate else None
 
-    def check_auth(self, authorization: str, client: Sequence[Any] | None = None) -> None:
-        """The token, when there is one; without one, the client must be on loopback."""
+    def check_auth(self, authorization: str, client: Sequence[Any] | None = None, *,
+                   rollout_id: str | None = None, route: str = "") -> str | None:
+        """The token, when there is one; without one, the client must be on loopback.
+
+        A rollout-scoped token (asgi/auth.py) passes only on a route of the rollout it names, where
+        the caller passes that route's `rollout_id` (the routes a confined rollout may use); it
+        returns that id (None for the gateway's own token). Anywhere else it is a 403 and the
+        rollout's `sandbox_network` breach."""
+        scoped = scoped_rollout(self.token, authorization)
+        if scoped is not None:
+            if scoped != rollout_id:
+                self.record_breach(scoped, "sandbox_network", f"{route} with its rollout token")
+                raise HTTPError(403, f"a rollout's token opens only its own routes (/rollouts/{scoped}/v1/..., "
+                                     f"GET /rollouts/{scoped}, POST /rollouts/{scoped}/reward)",
+                                type="permission_error", code="rollout_scope")
+            return scoped
         check_bearer(self.token, authorization)
         check_client(self.token, client)
+        return None
+
+    def record_breach(self, rollout_id: str, kind: str, what: str) -> None:
+        """A `sandbox_breach` event, once per rollout and class (a rollout that keeps trying does not
+        flood the store), written before the refusal is sent: the rollout's backend reads it when
+        the rollout ends."""
+        if (rollout_id, kind) in self._breaches:
+            return
+        if len(self._breaches) >= 100_000:
+            self._breaches.clear()
+        self._breaches.add((rollout_id, kind))
+        try:
+            self.store.add_event(Event(kind=SANDBOX_BREACH, source="gateway", message=f"{kind}: {what}"[:500],
+                                       data={"rollout_id": rollout_id, "class": kind}))
+        except Exception as exc:  # noqa: BLE001 - the refusal stands; only its record is lost
+            log.warning("could not record rollout %s's breach (%s): %s", rollout_id, kind, exc)
 
     async def proxy(self, pairs: list[tuple[str, str]], headers: dict[str, str], receive: Receive, path: str,
                     rollout_id: str | None) -> Full | StreamResponse:

@@ -19,10 +19,11 @@ import pytest
 
 from lightning_middleware import RewardConfig, TraceStore
 from lightning_middleware.controller import RolloutController
-from lightning_middleware.controller.backends.sandboxed import BREACH_EVENT, SandboxedBackend
+from lightning_middleware.controller.backends.sandboxed import SandboxedBackend
 from lightning_middleware.controller.jobs import RetryPolicy
 from lightning_middleware.controller.sandbox import Sandbox, SandboxUnavailable, check_host
 from lightning_middleware.gateway import Gateway
+from lightning_middleware.records import SANDBOX_BREACH
 from lightning_middleware.testing import LLMTestServer
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
@@ -72,7 +73,7 @@ def test_a_coding_agent_completes_its_rollouts_in_the_sandbox(setup: Setup) -> N
         rewards = {w.name: w.value for w in setup.store.rewards(r.rollout_id)}
         assert "agent" not in rewards  # agent_reward = false: its returned 1.0 was not stored
         assert r.reward == pytest.approx(1.0)  # `succeeded`, scored by the gateway
-    assert not setup.store.events(kind=BREACH_EVENT)
+    assert not setup.store.events(kind=SANDBOX_BREACH)
     leftovers = [p for p in os.listdir("/tmp") if p.startswith("lightning-sandbox-")]
     assert not any(os.listdir(os.path.join("/tmp", p, "work")) for p in leftovers
                    if os.path.isdir(os.path.join("/tmp", p, "work")))
@@ -133,7 +134,7 @@ def test_every_attack_fails_and_ends_its_rollout_with_its_class(setup: Setup, ll
                            retry=retry) as c:
         results = {r.task_id: r for r in c.run(tasks, n=1)}
     elapsed = time.monotonic() - t0
-    events = {e.data["rollout_id"]: e.data["class"] for e in setup.store.events(kind=BREACH_EVENT)}
+    events = {e.data["rollout_id"]: e.data["class"] for e in setup.store.events(kind=SANDBOX_BREACH)}
     got = {name: (r.status, events.get(r.rollout_id), r.attempts) for name, r in results.items()}
     want = {name: (status, kind, 1) for name, (_, status, kind) in attacks.items()}
     assert got == want, {name: results[name].error for name in got if got[name] != want[name]}

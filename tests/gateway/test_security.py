@@ -19,10 +19,11 @@ import pytest
 import sqlalchemy as sa
 
 from lightning_middleware import TraceStore, rollout, wrap
-from lightning_middleware.asgi.auth import check_bearer, tokens_match
+from lightning_middleware.asgi.auth import check_bearer, rollout_token, tokens_match
 from lightning_middleware.asgi.error_replies import HTTPError
 from lightning_middleware.gateway import Gateway, GatewayApp, GatewayConfigError
 from lightning_middleware.gateway.requests import proxy_paths, proxy_route
+from lightning_middleware.records import SANDBOX_BREACH
 from lightning_middleware.testing import TEST_BASE_URL, LLMTestServer, llm_http_client
 from lightning_middleware.testing.secret_scan import scan_tree
 
@@ -192,6 +193,72 @@ async def test_a_rollout_id_is_not_enough_to_write_into_another_runs_rollout(
         assert (await c.post(f"/rollouts/{rid}/finish", json={}, headers=AUTH)).status_code == 200
     done = sqlite_store.get_rollout(rid)
     assert done.status == "succeeded" and done.final_reward == 0.25
+
+
+# What a rollout-scoped token opens: its own rollout's LLM calls, reading it, and its reward.
+SCOPED = {("POST", path) for path in proxy_paths() if path.startswith("/rollouts/{rid}/")} | {
+    ("GET", "/rollouts/{rid}"), ("HEAD", "/rollouts/{rid}"), ("POST", "/rollouts/{rid}/reward"),
+    ("GET", "/rollouts/{rid}/v1/models"), ("HEAD", "/rollouts/{rid}/v1/models")}
+
+
+async def test_a_rollout_token_opens_only_its_own_rollouts_routes(llm_server: LLMTestServer,
+                                                                    sqlite_store: TraceStore) -> None:
+    """Walked over every route: a rollout's token is served on `SCOPED` for its own rollout, and
+    refused (403 rollout_scope) everywhere else: another rollout's routes, creating, finishing,
+    admin, review, the unscoped proxy routes. Each refusal is its rollout's breach, recorded once
+    per class; a token for another gateway's token, or cut, is a plain 401."""
+    gw = Gateway([llm_server.base_url], sqlite_store, token=TOKEN, health_interval_s=0, policy_version=1)
+    async with serving(gw, OFF_LOOPBACK) as c:
+        mine, other = await new_rollout(c), await new_rollout(c)
+        scoped = [(b"authorization", f"Bearer {rollout_token(TOKEN, mine)}".encode())]
+        served, refused = set(), set()
+        for method, template in served_routes(gw.app):
+            for target in (mine, other):
+                r = await send(c, method, template, target, scoped, BODIES.get(template, {}), other)
+                if (method, template) in PUBLIC:
+                    continue
+                if 200 <= r.status_code < 300:
+                    served.add((method, template, target))
+                else:
+                    assert r.status_code == 403, (method, template, r.status_code, r.text)
+                    if method != "HEAD":
+                        assert "token opens only its own routes" in r.text, (method, template, r.text)
+                    refused.add((method, template, target))
+        assert served == {(m, t, mine) for m, t in SCOPED}
+        assert len(refused) == 2 * (len(served_routes(gw.app)) - len(PUBLIC)) - len(SCOPED)
+        gw.store.flush()
+        assert sqlite_store.get_rollout(other).status == "running" and not sqlite_store.calls(other)
+        assert sqlite_store.get_rollout(mine).status == "running" and sqlite_store.calls(mine)
+        assert not gw.gate.paused and gw.policy_version == 1
+        breaches = sqlite_store.events(kind=SANDBOX_BREACH)
+        assert [(e.data["rollout_id"], e.data["class"], e.source) for e in breaches] == [
+            (mine, "sandbox_network", "gateway")]
+        for bad in (rollout_token("another-gateway-token", mine), rollout_token(TOKEN, mine)[:-1] + "x",
+                    rollout_token(TOKEN, mine)[:40], "lmr1." + "0" * 64 + "." + mine):
+            r = await c.get(f"/rollouts/{mine}", headers={"authorization": f"Bearer {bad}"})
+            assert r.status_code == 401, bad
+
+
+async def test_a_rollout_token_cannot_send_a_refused_reward(llm_server: LLMTestServer,
+                                                           sqlite_store: TraceStore) -> None:
+    """With `agent_reward = false`, a reward from a rollout's own token is refused and is its
+    `sandbox_reward` breach; the gateway's token is refused too, but is no rollout's breach."""
+    from lightning_middleware import RewardConfig
+
+    config = RewardConfig.from_dict({"rules": {"n": {"function": "lightning_middleware.rewards.rules:succeeded",
+                                                     "weight": 1.0}}, "agent_reward": False})
+    gw = Gateway([llm_server.base_url], sqlite_store, token=TOKEN, health_interval_s=0, rewards=config)
+    async with serving(gw) as c:
+        rid, other = await new_rollout(c), await new_rollout(c)
+        own = {"authorization": f"Bearer {rollout_token(TOKEN, rid)}"}
+        r = await c.post(f"/rollouts/{rid}/reward", json={"value": 1.0}, headers=own)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "reward_refused"
+        r = await c.post(f"/rollouts/{other}/reward", json={"value": 1.0}, headers=AUTH)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "reward_refused"
+        assert (await c.post(f"/rollouts/{rid}/finish", json={}, headers=own)).status_code == 403
+    assert [(e.data["rollout_id"], e.data["class"]) for e in sqlite_store.events(kind=SANDBOX_BREACH)] == [
+        (rid, "sandbox_reward"), (rid, "sandbox_network")]
+    assert sqlite_store.rewards(rid) == [] and sqlite_store.rewards(other) == []
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "", "10.0.0.5", "192.168.1.20", "example.com",

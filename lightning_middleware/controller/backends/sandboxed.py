@@ -60,12 +60,11 @@ from lightning_middleware.controller.sandbox import (
 )
 from lightning_middleware.controller.sandbox_entry import ENV_SANDBOX, ENV_SANDBOX_WORKSPACE
 from lightning_middleware.errors import UsageError
-from lightning_middleware.records import Event, RolloutStatus
+from lightning_middleware.records import SANDBOX_BREACH, Event, RolloutStatus
 from lightning_middleware.store import TraceStore
 from lightning_middleware.store.connect import sqlite_file
 
 log = logging.getLogger(__name__)
-BREACH_EVENT = "sandbox_breach"
 _HOP = {b"host", b"authorization", b"connection", b"keep-alive", b"transfer-encoding", b"content-length",
         b"proxy-authorization", b"upgrade", b"te"}  # not passed on to the gateway
 _HOP_BACK = _HOP - {b"content-length"}  # not passed back to the sandbox
@@ -411,7 +410,7 @@ class SandboxedBackend:
 
     def _record_breach(self, rid: str, breach: type[SandboxBreach], error: str) -> None:
         assert self.store is not None
-        self.store.add_event(Event(kind=BREACH_EVENT, source="sandbox", message=error[:500],
+        self.store.add_event(Event(kind=SANDBOX_BREACH, source="sandbox", message=error[:500],
                                    data={"rollout_id": rid, "class": breach.kind}))
 
     async def _finish(self, job: RolloutJob, t0: float, status: str, error: str | None,
