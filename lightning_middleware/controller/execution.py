@@ -5,6 +5,7 @@ whatever process runs the job."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import os
@@ -12,8 +13,8 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 from lightning_middleware.capture import RolloutHandle, rollout
 from lightning_middleware.controller.jobs import BREACHES, RolloutJob, RolloutOutcome, SandboxBreach, type_names
@@ -79,6 +80,29 @@ def _scope(job: RolloutJob, store: TraceStore) -> Any:
                    rollout_id=job.rollout_id, policy_version=job.policy_version, rewards=job.rewards)
 
 
+@contextlib.contextmanager
+def _alarm(timeout_s: float | None) -> Iterator[None]:
+    """A TimeoutError at `timeout_s`, by SIGALRM, when this is a process's main thread (worker
+    processes); elsewhere (a thread pool) nothing: the agent can't be interrupted there."""
+    if timeout_s is None or not hasattr(signal, "setitimer") \
+            or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _on_alarm(_sig: int, _frame: Any) -> None:
+        raise _Deadline()
+
+    old = signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        yield
+    except _Deadline:
+        raise TimeoutError(f"rollout exceeded its {timeout_s:g}s timeout") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def execute_job(agent: AgentFn, job: RolloutJob, store: TraceStore | None = None) -> RolloutOutcome:
     """Run a sync (or async, via asyncio.run) agent for one job in this thread.
 
@@ -92,26 +116,11 @@ def execute_job(agent: AgentFn, job: RolloutJob, store: TraceStore | None = None
     store = store or get_store(job.store_url)
     t0 = time.monotonic()
     deadline = None if job.timeout_s is None else t0 + job.timeout_s
-    alarm_s = job.timeout_s if (hasattr(signal, "setitimer")
-                                and threading.current_thread() is threading.main_thread()) else None
-    use_alarm = alarm_s is not None
     reward: float | None = None
     try:
         with _scope(job, store) as handle:
-            old = None
-            if use_alarm:
-                def _on_alarm(_sig: int, _frame: Any) -> None:
-                    raise _Deadline()
-                old = signal.signal(signal.SIGALRM, _on_alarm)
-                signal.setitimer(signal.ITIMER_REAL, alarm_s or 0.0)
-            try:
+            with _alarm(job.timeout_s):
                 value = agent(job.task)
-            except _Deadline:
-                raise TimeoutError(f"rollout exceeded its {job.timeout_s:g}s timeout") from None
-            finally:
-                if use_alarm:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
-                    signal.signal(signal.SIGALRM, old)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"rollout exceeded its {job.timeout_s:g}s timeout")
             reward = _apply_return(handle, value)
@@ -123,6 +132,42 @@ def execute_job(agent: AgentFn, job: RolloutJob, store: TraceStore | None = None
         reward = _final_reward(store, job.rollout_id)
     return RolloutOutcome(status=RolloutStatus.SUCCEEDED.value, reward=reward,
                           duration_s=time.monotonic() - t0, worker=worker_name())
+
+
+class _Returned:
+    """Where `_apply_return` puts the reward when no store records the rollout."""
+
+    def reward(self, value: float, metadata: dict[str, Any] | None = None) -> None:
+        float(value)  # the agent's number must be one, as a recorded rollout's must
+
+
+def execute_unrecorded(agent: AgentFn, job: RolloutJob) -> RolloutOutcome:
+    """Run the agent for one job without a store: a rollout that the gateway it reaches records
+    (a pod that holds no store URL, only its rollout's gateway route and token). The outcome's
+    reward is the number the agent returned, not stored: its backend posts it to the gateway."""
+    t0 = time.monotonic()
+    try:
+        if inspect.iscoroutinefunction(agent):
+            value = asyncio.run(_unrecorded_async(agent, job, t0))
+        else:
+            with _alarm(job.timeout_s):
+                value = agent(job.task)
+        reward = _apply_return(cast(RolloutHandle, _Returned()), value)
+    except _Deadline:
+        return failure(TimeoutError(f"rollout exceeded its {job.timeout_s:g}s timeout"), t0, worker_name())
+    except Exception as exc:
+        return failure(exc, t0, worker_name())
+    return RolloutOutcome(status=RolloutStatus.SUCCEEDED.value, reward=reward,
+                          duration_s=time.monotonic() - t0, worker=worker_name())
+
+
+async def _unrecorded_async(agent: AgentFn, job: RolloutJob, t0: float) -> Any:
+    try:
+        return await asyncio.wait_for(agent(job.task), job.timeout_s)
+    except asyncio.TimeoutError:
+        if time.monotonic() - t0 >= (job.timeout_s or 0.0):
+            raise TimeoutError(f"rollout exceeded its {job.timeout_s:g}s timeout") from None
+        raise
 
 
 async def aexecute_job(agent: AgentFn, job: RolloutJob, store: TraceStore | None = None) -> RolloutOutcome:

@@ -11,6 +11,12 @@ starts and ends (the outcomes so far and the rollouts running), so a pod killed 
 reports what finished. It exits 0 for any agent result, a raised exception included; a non-zero
 exit means the worker itself could not run (bad env, agent not importable, killed), and the backend
 reports its last log lines.
+
+A pod that reaches only the gateway (KubernetesBackend(gateway=...)) has no store URL: its
+environment names LIGHTNING_GATEWAY_URL, LIGHTNING_ROLLOUT_ID, and the rollout's own route and
+token as OPENAI_BASE_URL and OPENAI_API_KEY (a rollout-scoped token, asgi/auth.py). The gateway
+records its calls; the worker runs the agent unrecorded and reports the number it returned, which
+the backend posts to the gateway.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from lightning_middleware.controller.backends.k8s_batch import batch_message
 from lightning_middleware.controller.backends.k8s_template import (
     ENV_AGENT,
     ENV_CONCURRENCY,
+    ENV_GATEWAY,
     ENV_JOB,
     ENV_JOBS,
     ENV_STORE,
@@ -39,6 +46,7 @@ from lightning_middleware.controller.execution import (
     AgentNotFound,
     aexecute_job,
     execute_job,
+    execute_unrecorded,
     resolve_agent,
 )
 from lightning_middleware.controller.jobs import RolloutJob, RolloutOutcome
@@ -63,8 +71,9 @@ def jobs_from_env(env: Mapping[str, str]) -> list[RolloutJob]:
         jobs = [RolloutJob(**{**item, "store_url": env.get(ENV_STORE) or item.get("store_url")}) for item in items]
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{key} is not a rollout job: {exc}") from None
-    if not all(job.store_url for job in jobs):
-        raise ValueError(f"the rollout worker needs {ENV_STORE} (the store URL as this pod reaches it)")
+    if not env.get(ENV_GATEWAY) and not all(job.store_url for job in jobs):
+        raise ValueError(f"the rollout worker needs {ENV_STORE} (the store URL as this pod reaches it), or "
+                         f"{ENV_GATEWAY} for a pod that reaches only the gateway")
     return jobs
 
 
@@ -76,8 +85,16 @@ def run_worker(env: Mapping[str, str] | None = None) -> int:
     except (ValueError, AgentNotFound) as exc:
         print(f"rollout worker: {exc}", file=sys.stderr, flush=True)
         return 2
-    store = get_store(jobs[0].store_url)
     path = env.get(ENV_TERMINATION_LOG) or DEFAULT_TERMINATION_LOG
+    if env.get(ENV_GATEWAY) and not jobs[0].store_url:  # the gateway records the rollout
+        if len(jobs) > 1:
+            print("rollout worker: a pod that reaches only the gateway runs one rollout", file=sys.stderr, flush=True)
+            return 2
+        text = json.dumps(asdict(execute_unrecorded(agent, jobs[0])), separators=(",", ":"))
+        _report(path, text)
+        print(text, flush=True)
+        return 0
+    store = get_store(jobs[0].store_url)
     if not env.get(ENV_JOBS):
         outcome = execute_job(agent, jobs[0], store)
         store.flush(30.0)  # the rollout's rows are in the store before the pod reports success

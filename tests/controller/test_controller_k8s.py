@@ -254,3 +254,70 @@ def test_a_sandboxed_pods_breach_is_classed_and_not_retried(cluster: Cluster, sq
     assert sandboxed["fs"].error.startswith("sandbox_fs: FileNotFoundError") and sandboxed["fs"].attempts == 1
     assert (plain["net"].attempts, plain["net"].error.split(":")[0]) == (2, "ConnectionRefusedError")
     assert plain["fs"].error.startswith("FileNotFoundError")
+
+
+GATEWAY_TOKEN = "k8s-gateway-token"
+
+
+def test_pods_that_reach_only_the_gateway(cluster: Cluster, llm_server: LLMTestServer, sq: TraceStore) -> None:
+    """With `gateway=`, a pod holds neither the store URL nor the gateway's token: only its rollout's
+    route and a token for it alone. Its calls are recorded by the gateway with token IDs, the gateway's
+    reward configuration scores it, and what the gateway refuses the pod's token (the admin routes,
+    another rollout, its own reward under `agent_reward = false`) ends the rollout failed with its
+    class, not retried. The emulated cluster enforces no NetworkPolicy or file system: those attacks
+    run against the local sandbox (test_sandbox.py) and a real cluster (test_k8s_real_cluster.py)."""
+    from lightning_middleware import RewardConfig
+    from lightning_middleware.gateway import Gateway
+    from lightning_middleware.records import SANDBOX_BREACH
+
+    api, _ = cluster
+    rewards = RewardConfig.from_dict({"rules": {"succeeded": 1.0}, "agent_reward": False})
+    with Gateway([llm_server.base_url], sq, rewards=rewards, token=GATEWAY_TOKEN, health_interval_s=0) as gw:
+        retry = RetryPolicy(max_attempts=3, retry_on=("ConnectionError", "OSError", "httpx.HTTPError"))
+
+        def run(agent: str, tasks: list[dict[str, Any]]) -> dict[str, Any]:
+            backend = _backend(api, template={"sandbox": Sandbox(), "ttl_seconds_after_finished": 3600},
+                               gateway=gw.url, gateway_token=GATEWAY_TOKEN)
+            with RolloutController(agent, store=sq, backend=backend, concurrency=4, timeout_s=60, retry=retry) as c:
+                results = {r.task_id: r for r in c.run(tasks)}
+                jobs = api.objects("jobs", run_selector(backend.run_id))  # kept until their TTL, or close()
+            return {"results": results, "jobs": jobs}
+
+        good = run("tests.controller.sandbox_agents:caller", [{"task_id": f"ask-{i}", "prompt": "hi"}
+                                                              for i in range(2)])
+        other = next(iter(good["results"].values())).rollout_id
+        bad = run("tests.controller.sandbox_agents:attacker", [
+            {"task_id": "read_secret", "attack": "read_secret", "var": "LIGHTNING_STORE_URL"},
+            {"task_id": "gateway_admin", "attack": "gateway_admin"},
+            {"task_id": "other_rollout", "attack": "other_rollout", "other": other},
+            {"task_id": "self_reward", "attack": "self_reward"}])
+        assert not gw.gate.paused
+    for r in good["results"].values():
+        assert (r.status, r.reward, r.attempts) == ("succeeded", 1.0, 1), r.error
+        [call] = sq.calls(r.rollout_id)
+        assert call.prompt_token_ids and call.completion_token_ids
+        assert "agent" not in {w.name for w in sq.rewards(r.rollout_id)}  # its returned 1.0 was refused
+    assert len(good["jobs"]) == 2
+    for job in good["jobs"]:
+        env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+        rid = env["LIGHTNING_ROLLOUT_ID"]
+        assert "LIGHTNING_STORE_URL" not in env and GATEWAY_TOKEN not in json.dumps(job)
+        assert env["OPENAI_BASE_URL"] == f"{gw.url}/rollouts/{rid}/v1" and env["OPENAI_API_KEY"].startswith("lmr1.")
+    events = {e.data["rollout_id"]: e.data["class"] for e in sq.events(kind=SANDBOX_BREACH)}
+    got = {name: (r.status, events.get(r.rollout_id), r.attempts) for name, r in bad["results"].items()}
+    assert got == {"read_secret": ("failed", None, 1), "gateway_admin": ("failed", "sandbox_network", 1),
+                   "other_rollout": ("failed", "sandbox_network", 1),
+                   "self_reward": ("failed", "sandbox_reward", 1)}, {n: r.error for n, r in bad["results"].items()}
+    assert bad["results"]["read_secret"].error.startswith("KeyError")
+    assert sq.query_rollouts(status="running") == []
+    assert [w.value for w in sq.rewards(bad["results"]["self_reward"].rollout_id) if w.name == "agent"] == []
+
+
+def test_a_pod_reaching_only_the_gateway_needs_its_token(monkeypatch) -> None:
+    from lightning_middleware.errors import UsageError
+
+    monkeypatch.delenv("LIGHTNING_GATEWAY_TOKEN", raising=False)
+    with pytest.raises(UsageError, match="need its token"):
+        KubernetesBackend(template(), gateway="http://gw:8100")
+    with pytest.raises(UsageError, match="runs one rollout"):
+        KubernetesBackend(template(), gateway="http://gw:8100", gateway_token="t", rollouts_per_job=4)

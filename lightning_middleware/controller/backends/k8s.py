@@ -4,6 +4,10 @@ light core's import path.
 
 Each Job runs the pod template's image with the worker entrypoint (`lightning-mw rollouts worker`),
 which runs the agent exactly as a local worker process would and reaches the store by its URL.
+With `gateway=`, a pod reaches only the gateway instead: the backend creates each rollout there,
+the pod gets that rollout's route and a token for it alone (no store URL, no gateway token), and
+the backend finishes the rollout there with the pod's verdict (gateway_rollouts.py), as the
+sandboxed backend does on one machine.
 Completion is watched, not polled: one watch on the run's Jobs and one on its Pods (label
 `lightning-middleware/run=<run id>`) feed every waiting rollout. See docs/kubernetes.md.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 import uuid
@@ -20,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lightning_middleware.asgi.auth import TOKEN_ENV
+from lightning_middleware.controller.backends.gateway_rollouts import GatewayRollouts
 from lightning_middleware.controller.backends.k8s_batch import Batcher, assign, parse_batch_message, termination_message
 from lightning_middleware.controller.backends.k8s_client import (
     KubernetesAPIError,
@@ -42,7 +49,15 @@ from lightning_middleware.controller.backends.k8s_template import (
     run_selector,
 )
 from lightning_middleware.controller.execution import AgentFn
-from lightning_middleware.controller.jobs import RolloutJob, RolloutOutcome, WorkerLost, type_names
+from lightning_middleware.controller.jobs import (
+    BREACHES,
+    RolloutJob,
+    RolloutOutcome,
+    SandboxLimit,
+    WorkerLost,
+    type_names,
+)
+from lightning_middleware.errors import UsageError
 from lightning_middleware.records import Mode, Rollout, RolloutStatus
 from lightning_middleware.store import TraceStore
 
@@ -81,6 +96,11 @@ class KubernetesBackend:
     `with RolloutController(...)` on Ctrl-C does it, and `lightning-mw rollouts run` turns SIGTERM
     into Ctrl-C (in your own program:
     `signal.signal(signal.SIGTERM, signal.default_int_handler)`).
+
+    `gateway`: the gateway's URL (as this process reaches it) for pods that reach only the gateway;
+    `gateway_token`: its token (default $LIGHTNING_GATEWAY_TOKEN), from which each pod's
+    rollout-scoped token is derived; the template's `gateway_url` is the URL the pods get (default
+    `gateway`). One rollout per Job; the gateway's reward configuration scores the rollouts.
     """
 
     name = "k8s"
@@ -91,10 +111,19 @@ class KubernetesBackend:
                  api_threads: int = 16, log_lines: int = 20, network_policy: bool = False,
                  backstop_s: float = 30.0, watch_timeout_s: int = 60, start_timeout_s: float = 30.0,
                  settle_s: float = 5.0, rollouts_per_job: int = 1, batch_linger_s: float = 0.1,
-                 pod_concurrency: int = 1) -> None:
+                 pod_concurrency: int = 1, gateway: str | None = None, gateway_token: str | None = None) -> None:
         if rollouts_per_job < 1 or pod_concurrency < 1:
             raise ValueError(f"rollouts_per_job and pod_concurrency must be >= 1, not {rollouts_per_job}, "
                              f"{pod_concurrency}")
+        self.gateway: GatewayRollouts | None = None
+        if gateway is not None:
+            token = gateway_token or os.environ.get(TOKEN_ENV)
+            if not token:
+                raise UsageError(f"pods that reach only the gateway need its token (gateway_token or ${TOKEN_ENV}): "
+                                 "each pod's rollout-scoped token is derived from it")
+            if rollouts_per_job != 1:
+                raise UsageError("a pod that reaches only the gateway runs one rollout (rollouts_per_job=1)")
+            self.gateway = GatewayRollouts(gateway, token)
         self.template = template
         self.rollouts_per_job = rollouts_per_job
         self.pod_concurrency = pod_concurrency
@@ -170,6 +199,8 @@ class KubernetesBackend:
             for job in left:
                 self._end_in_store(job, "failed", "cancelled: the controller stopped and deleted the rollout's Job")
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.gateway is not None:
+            self.gateway.close()
 
     def delete_run_jobs(self) -> None:
         sel = run_selector(self.run_id)
@@ -246,6 +277,9 @@ class KubernetesBackend:
         return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kwargs))
 
     async def run(self, job: RolloutJob) -> RolloutOutcome:
+        if self.gateway is not None and job.rewards is not None:
+            raise UsageError("a rollout the gateway records is scored by the gateway's reward configuration "
+                             "(lightning-mw gateway --rewards); leave the controller's rewards unset")
         loop = asyncio.get_running_loop()
         if self._slots is None or self._slots_loop is not loop:
             self._slots, self._slots_loop = asyncio.Semaphore(self.max_jobs or 1_000_000), loop
@@ -264,16 +298,19 @@ class KubernetesBackend:
         assert self._slots is not None
         async with self._slots:
             t0 = time.monotonic()
+            if self.gateway is not None and (made := await self.gateway.create(jobs[0], t0, "k8s")) is not None:
+                return [made]  # the gateway is unreachable or refused it: infrastructure
             tracked = self._track(jobs)
             try:
                 manifest = self._manifest(tracked)
                 refused = await self._create(manifest, t0)
                 if refused is not None:
-                    return [refused] * len(jobs)
+                    return [await self._through_gateway(jobs[0], refused, t0) if self.gateway else refused] * len(jobs)
                 self.jobs_created += 1
                 verdict = await self._wait(tracked)
                 if len(jobs) == 1:
-                    return [await self._conclude(tracked, verdict, t0)]
+                    outcome = await self._conclude(tracked, verdict, t0)
+                    return [await self._through_gateway(jobs[0], outcome, t0) if self.gateway else outcome]
                 return await self._conclude_batch(tracked, verdict, t0)
             except asyncio.CancelledError:
                 await asyncio.shield(self._call(self._delete_job, tracked.name))
@@ -296,9 +333,27 @@ class KubernetesBackend:
             self._tracked[tracked.key] = tracked
         return tracked
 
+    async def _through_gateway(self, job: RolloutJob, outcome: RolloutOutcome, t0: float) -> RolloutOutcome:
+        """Finish a rollout the gateway records with the pod's verdict; a breach the gateway saw wins."""
+        assert self.gateway is not None
+        breach = BREACHES.get(outcome.error.split(":", 1)[0]) if outcome.error else None
+        seen = await self._call(self.gateway.breach_seen, self._store, job.rollout_id)
+        status, error = outcome.status, outcome.error
+        if seen is not None:
+            breach, error, status = seen[0], seen[1], RolloutStatus.FAILED.value
+        if breach is not None and breach.kind not in str(error):
+            error = f"{breach.kind}: {error}"
+        done = await self.gateway.finish(job, t0, status, error, breach, outcome.reward, outcome.worker,
+                                         outcome.error_types)
+        return replace(done, duration_s=outcome.duration_s or done.duration_s,
+                       ended_by_controller=outcome.ended_by_controller or done.ended_by_controller)
+
     def _manifest(self, tracked: _Tracked) -> dict[str, Any]:
         if tracked.label == ROLLOUT_LABEL:
-            return job_manifest(self.template, tracked.jobs[0], run_id=self.run_id, agent_ref=self._agent_ref)
+            job = tracked.jobs[0]
+            gateway = None if self.gateway is None else (
+                self.template.gateway_url or self.gateway.url, self.gateway.scoped_token(job.rollout_id))
+            return job_manifest(self.template, job, run_id=self.run_id, agent_ref=self._agent_ref, gateway=gateway)
         return batch_manifest(self.template, tracked.jobs, run_id=self.run_id, batch_id=tracked.key,
                               agent_ref=self._agent_ref, concurrency=self.pod_concurrency)
 
@@ -369,7 +424,19 @@ class KubernetesBackend:
             await self._call(self._delete_job, tracked.name)
         if outcome.ended_by_controller or not outcome.duration_s:
             outcome = replace(outcome, duration_s=time.monotonic() - t0)
-        return outcome
+        return self._sandbox_limit(outcome)
+
+    def _sandbox_limit(self, outcome: RolloutOutcome) -> RolloutOutcome:
+        """Under a `Sandbox`, the pod's limits are the sandbox's, as on one machine: its memory limit's
+        OOM kill and the rollout's deadline are `sandbox_limit` breaches (failed, timeout), never retried."""
+        sb = self.template.sandbox
+        if sb is None or any(t.endswith("SandboxBreach") for t in outcome.error_types):
+            return outcome
+        oom = sb.memory_bytes is not None and any(t.endswith("PodOOMKilled") for t in outcome.error_types)
+        if not oom and outcome.status != RolloutStatus.TIMEOUT.value:
+            return outcome
+        return replace(outcome, error=f"{SandboxLimit.kind}: {outcome.error}",
+                       error_types=tuple(type_names(SandboxLimit)))
 
     async def _conclude_batch(self, tracked: _Tracked, verdict: Verdict, t0: float) -> list[RolloutOutcome]:
         """A batch's end: what its pod reported finished, then the store for what the message lacks

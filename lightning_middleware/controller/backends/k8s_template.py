@@ -31,6 +31,8 @@ ENV_JOB = "LIGHTNING_ROLLOUT_JOB"
 ENV_JOBS = "LIGHTNING_ROLLOUT_JOBS"  # a batch: the RolloutJobs as a JSON list, run in that order
 ENV_CONCURRENCY = "LIGHTNING_ROLLOUT_CONCURRENCY"  # a batch's rollouts at once in the pod (default 1)
 ENV_STORE = "LIGHTNING_STORE_URL"
+ENV_GATEWAY = "LIGHTNING_GATEWAY_URL"  # a pod that reaches only the gateway (no store URL)
+ENV_ROLLOUT_ID = "LIGHTNING_ROLLOUT_ID"
 ENV_TERMINATION_LOG = "LIGHTNING_TERMINATION_LOG"
 DEFAULT_COMMAND = ("lightning-mw", "rollouts", "worker")
 _NAME_OK = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -42,6 +44,8 @@ class PodTemplate:
 
     `store_url`: the store as the pods reach it (a cluster DNS name); default: the controller's.
     `store_url_secret`: (secret name, key) holding that URL, so no password lands in the Job object.
+    `gateway_url`: the gateway as the pods reach it, when they reach only the gateway
+    (`KubernetesBackend(gateway=...)`); default: the backend's gateway URL.
     `startup_grace_s`: added to the rollout timeout for `activeDeadlineSeconds` (scheduling, image
     pull, imports); the worker's own alarm ends the rollout at the timeout itself.
     """
@@ -57,6 +61,7 @@ class PodTemplate:
     labels: dict[str, str] = field(default_factory=dict)
     store_url: str | None = None
     store_url_secret: tuple[str, str] | None = None
+    gateway_url: str | None = None
     ttl_seconds_after_finished: int = 600
     startup_grace_s: float = 60.0
     name_prefix: str = "rollout"
@@ -145,12 +150,18 @@ def jobs_payload(jobs: list[RolloutJob]) -> str:
     return json.dumps(items[0] if len(items) == 1 else items, separators=(",", ":"))
 
 
-def _env(template: PodTemplate, jobs: list[RolloutJob], agent_ref: str) -> list[dict[str, Any]]:
+def _env(template: PodTemplate, jobs: list[RolloutJob], agent_ref: str,
+         gateway: tuple[str, str] | None = None) -> list[dict[str, Any]]:
     job = jobs[0]
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in template.env.items()]
     env += [{"name": ENV_AGENT, "value": agent_ref},
             {"name": ENV_JOB if len(jobs) == 1 else ENV_JOBS, "value": jobs_payload(jobs)}]
-    if template.store_url_secret is not None:
+    if gateway is not None:  # no store URL: the rollout's own gateway route, and a token for it alone
+        url, token = gateway[0].rstrip("/"), gateway[1]
+        env += [{"name": ENV_GATEWAY, "value": url}, {"name": ENV_ROLLOUT_ID, "value": job.rollout_id},
+                {"name": "OPENAI_BASE_URL", "value": f"{url}/rollouts/{job.rollout_id}/v1"},
+                {"name": "OPENAI_API_KEY", "value": token}]
+    elif template.store_url_secret is not None:
         name, key = template.store_url_secret
         env.append({"name": ENV_STORE, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
     elif template.store_url or job.store_url:
@@ -184,13 +195,16 @@ def _sandboxed(pod: dict[str, Any], container: dict[str, Any], sb: Sandbox) -> N
     container["volumeMounts"] = mounts
 
 
-def job_manifest(template: PodTemplate, job: RolloutJob, *, run_id: str, agent_ref: str) -> dict[str, Any]:
+def job_manifest(template: PodTemplate, job: RolloutJob, *, run_id: str, agent_ref: str,
+                 gateway: tuple[str, str] | None = None) -> dict[str, Any]:
     """The batch/v1 Job for one rollout: backoffLimit 0 (retries are the controller's), a deadline
-    from the rollout timeout, cleaned up `ttl_seconds_after_finished` after it ends."""
+    from the rollout timeout, cleaned up `ttl_seconds_after_finished` after it ends. `gateway`:
+    (the gateway's URL as the pod reaches it, the rollout's scoped token): the pod gets those and
+    no store URL."""
     labels = rollout_labels(template, run_id, job.rollout_id)
     meta = {"name": job_name(template, job.rollout_id), "namespace": template.namespace, "labels": labels,
             "annotations": {TASK_ANNOTATION: job.task_id}}
-    return _manifest(template, [job], meta, agent_ref)
+    return _manifest(template, [job], meta, agent_ref, gateway=gateway)
 
 
 def batch_manifest(template: PodTemplate, jobs: list[RolloutJob], *, run_id: str, batch_id: str,
@@ -207,9 +221,9 @@ def batch_manifest(template: PodTemplate, jobs: list[RolloutJob], *, run_id: str
 
 
 def _manifest(template: PodTemplate, jobs: list[RolloutJob], meta: dict[str, Any], agent_ref: str,
-              concurrency: int = 1) -> dict[str, Any]:
+              concurrency: int = 1, gateway: tuple[str, str] | None = None) -> dict[str, Any]:
     labels = meta["labels"]
-    env = _env(template, jobs, agent_ref)
+    env = _env(template, jobs, agent_ref, gateway)
     if concurrency > 1:
         env.append({"name": ENV_CONCURRENCY, "value": str(concurrency)})
     container: dict[str, Any] = {"name": "rollout", "image": template.image, "command": list(template.command),

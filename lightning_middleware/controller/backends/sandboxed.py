@@ -33,12 +33,12 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import replace
 from typing import Any
 
 import httpx
 
-from lightning_middleware.controller.execution import AgentFn, failure
+from lightning_middleware.controller.backends.gateway_rollouts import GatewayRollouts
+from lightning_middleware.controller.execution import AgentFn
 from lightning_middleware.controller.jobs import (
     BREACHES,
     RolloutJob,
@@ -47,7 +47,6 @@ from lightning_middleware.controller.jobs import (
     SandboxLimit,
     SandboxNetwork,
     SandboxReward,
-    type_names,
 )
 from lightning_middleware.controller.sandbox import (
     PidsCgroup,
@@ -79,6 +78,7 @@ class Door:
         self.rid = rollout_id
         self.gateway_url = gateway_url.rstrip("/")
         self.token = token
+        self.gateway = GatewayRollouts(self.gateway_url, token)
         self.client: httpx.AsyncClient | None = None  # made in the door's own event loop (lifespan)
         self.breaches: list[tuple[type[SandboxBreach], str]] = []  # what it refused, first first
 
@@ -208,6 +208,7 @@ class SandboxedBackend:
                  python_path: list[str] | None = None, root: str | None = None) -> None:
         self.gateway_url = gateway_url.rstrip("/")
         self.token = token
+        self.gateway = GatewayRollouts(self.gateway_url, token)
         self.sandbox = sandbox or Sandbox()
         self.workers = workers or os.cpu_count() or 2
         self.env = dict(env or {})
@@ -216,7 +217,6 @@ class SandboxedBackend:
         self.root_dir = root  # where the work directories and doors live; None: a fresh temporary one
         self._free: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._client: httpx.AsyncClient | None = None
         self._root: str | None = None
         self._blind = "/dev/null"
         self._doors = ""
@@ -252,7 +252,6 @@ class SandboxedBackend:
         loop = asyncio.get_running_loop()
         if self._free is None or self._loop is not loop:
             self._free, self._loop = asyncio.Semaphore(self.workers), loop
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0))
         if job.rewards is not None:
             raise UsageError("a sandboxed rollout is scored by the gateway's reward configuration "
                              "(lightning-mw gateway --rewards); leave the controller's rewards unset")
@@ -263,33 +262,20 @@ class SandboxedBackend:
         for door in self._stopping:
             door.join()
         self._stopping = []
-        if self._client is not None and self._loop is not None and not self._loop.is_closed():
-            try:
-                asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop) if self._loop.is_running() \
-                    else self._loop.run_until_complete(self._client.aclose())
-            except RuntimeError:
-                pass
+        self.gateway.close()
         for d in (self._root, self._doors):
             if d:
                 shutil.rmtree(d, ignore_errors=True)
 
     # -- one rollout -----------------------------------------------------------------------------
 
-    async def _gateway(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
-        assert self._client is not None
-        headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
-        return await self._client.request(method, self.gateway_url + path, json=body, headers=headers)
-
     async def _run(self, job: RolloutJob) -> RolloutOutcome:
-        assert self._root is not None and self._client is not None
+        assert self._root is not None
         t0 = time.monotonic()
         rid = job.rollout_id
-        try:
-            made = await self._gateway("POST", "/rollouts", {"id": rid, "task_id": job.task_id, "mode": job.mode,
-                                                             "metadata": job.metadata, "input": job.task})
-            made.raise_for_status()
-        except httpx.HTTPError as exc:  # infrastructure: retried by the policy, ended by the controller
-            return replace(failure(exc, t0, "sandbox"), ended_by_controller=True)
+        refused = await self.gateway.create(job, t0, "sandbox")
+        if refused is not None:  # infrastructure: retried by the policy, ended by the controller
+            return refused
         work = os.path.join(self._root, "work", rid)
         door = Door(rid, self.gateway_url, self.token)
         door_path = os.path.join(self._doors, hashlib.sha1(rid.encode()).hexdigest()[:16] + ".sock")
@@ -319,7 +305,7 @@ class SandboxedBackend:
             status, error, breach = RolloutStatus.FAILED.value, f"{kind.kind}: {detail}", kind
         if breach is not None:
             await asyncio.to_thread(self._record_breach, rid, breach, error or "")
-        return await self._finish(job, t0, status, error, breach, value)
+        return await self.gateway.finish(job, t0, status, error, breach, value, "sandbox")
 
     def _make_workspace(self, work: str) -> None:
         src = self.sandbox.workspace_from
@@ -412,26 +398,6 @@ class SandboxedBackend:
         assert self.store is not None
         self.store.add_event(Event(kind=SANDBOX_BREACH, source="sandbox", message=error[:500],
                                    data={"rollout_id": rid, "class": breach.kind}))
-
-    async def _finish(self, job: RolloutJob, t0: float, status: str, error: str | None,
-                      breach: type[SandboxBreach] | None, value: Any) -> RolloutOutcome:
-        rid = job.rollout_id
-        reward = value.get("reward") if isinstance(value, dict) else value
-        if status == RolloutStatus.SUCCEEDED.value and isinstance(reward, (int, float)):
-            posted = await self._gateway("POST", f"/rollouts/{rid}/reward", {"value": float(reward)})
-            if posted.status_code == 403:  # agent_reward = false: the returned number is not stored
-                log.debug("rollout %s: its returned reward was refused by the reward configuration", rid)
-            elif posted.status_code >= 400:
-                log.warning("rollout %s: the gateway refused its reward: %s", rid, posted.text[:300])
-        done = await self._gateway("POST", f"/rollouts/{rid}/finish", {"status": status, "error": error})
-        final = done.json().get("final_reward") if done.status_code < 400 else None
-        if done.status_code >= 400:
-            log.warning("rollout %s: the gateway refused its finish: %s", rid, done.text[:300])
-        types: tuple[str, ...] = tuple(type_names(breach)) if breach is not None else ()
-        return RolloutOutcome(status=status, reward=final if final is not None else (
-            float(reward) if isinstance(reward, (int, float)) and status == RolloutStatus.SUCCEEDED.value else None),
-            error=error, error_types=types, duration_s=time.monotonic() - t0, worker="sandbox",
-            ended_by_controller=done.status_code >= 400)
 
 
 def _read_all(fd: int) -> bytes:
