@@ -48,8 +48,8 @@ def add_cli(sub: Any) -> None:
         q.add_argument("--k8s-pod-concurrency", type=int, default=1, metavar="K",
                        help="with --k8s-rollouts-per-job: K of a pod's rollouts at once (default 1)")
         q.add_argument("--gateway", default=None, metavar="URL",
-                       help="for --backend sandbox: the gateway the sandboxed rollouts call (token: "
-                            "$LIGHTNING_GATEWAY_TOKEN)")
+                       help="for --backend sandbox, or k8s with pods that reach only the gateway: the gateway "
+                            "the rollouts call (token: $LIGHTNING_GATEWAY_TOKEN)")
         q.add_argument("--sandbox", default=None, metavar="FILE",
                        help="for --backend sandbox: the Sandbox settings, a TOML [sandbox] table or JSON "
                             "(default: the built-in limits)")
@@ -102,8 +102,12 @@ def _backend_from(args: Any) -> str | KubernetesBackend | SandboxedBackend:
     if args.k8s_rollouts_per_job < 1 or args.k8s_pod_concurrency < 1:
         raise UsageError("--k8s-rollouts-per-job and --k8s-pod-concurrency must be >= 1, not "
                          f"{args.k8s_rollouts_per_job}, {args.k8s_pod_concurrency}")
+    if args.gateway and args.rewards:
+        raise UsageError("--backend k8s with --gateway is scored by the gateway's reward configuration "
+                         "(lightning-mw gateway --rewards FILE), not --rewards")
     return KubernetesBackend(template, api_url=args.k8s_api_url, max_jobs=args.workers,
-                             rollouts_per_job=args.k8s_rollouts_per_job, pod_concurrency=args.k8s_pod_concurrency)
+                             rollouts_per_job=args.k8s_rollouts_per_job, pod_concurrency=args.k8s_pod_concurrency,
+                             gateway=args.gateway or None)
 
 
 def _sandboxed_from(args: Any) -> SandboxedBackend:
