@@ -110,8 +110,11 @@ def test_the_attack_list_against_pods_that_reach_only_the_gateway(llm_server) ->
         "other_rollout": ({"other": "someone-else"}, {"sandbox_network"}),
         "write_usr": ({"attack": "write_outside", "path": "/usr/lib/pwned"}, {"sandbox_fs"}),
         "write_root": ({"attack": "write_outside", "path": "/pwned"}, {"sandbox_fs"}),
-        "allocate": ({}, {"sandbox_limit"}),
+        "allocate": ({}, {"sandbox_limit"}),  # the memory limit: OOM-killed
+        "burn_cpu": ({}, {"sandbox_limit"}),  # no CPU-time limit in a pod: the deadline ends it
         "overrun": ({}, {"sandbox_limit"}),
+        # Not here: fork_bomb (max_procs is the kubelet's podPidsLimit, a node setting this test cannot
+        # assume), read_checkpoint and read_other_workdir (a pod sees only its image and volumes).
         "self_reward": ({}, {"sandbox_reward"}),
     }
     with Gateway([llm_server.base_url], store, rewards=rewards, token=token, host="0.0.0.0", port=port,
