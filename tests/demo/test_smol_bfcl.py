@@ -13,7 +13,8 @@ from lightning_middleware import RewardConfig, TraceStore
 from lightning_middleware.benchmarks import bfcl
 from lightning_middleware.controller import RolloutController
 from lightning_middleware.testing import LLMTestServer
-from trainer_backend.demo.smol_bfcl import HELD_OUT, RULES, TRAIN, UNSEEN, demonstrations, evaluate_bfcl, outcomes
+from trainer_backend.demo.smol import evaluation_pass
+from trainer_backend.demo.smol_bfcl import HELD_OUT, RULES, TRAIN, UNSEEN, demonstrations, outcomes
 
 pytest.importorskip("bfcl_eval", reason="the set-up installs bfcl-eval (scripts/setup.sh)")
 
@@ -42,7 +43,7 @@ def test_the_evaluation_is_bfcls_verdict_at_the_tasks_temperature(llm_server: LL
     agent = bfcl.make_agent(llm_server.base_url, model="m", store=store, temperature=1.0)
     try:
         with RolloutController(agent, store=store, concurrency=3, rewards=RewardConfig.from_dict(RULES)) as c:
-            res = evaluate_bfcl(c, store, tasks, temperature=0.0, tag="before-greedy")
+            res = evaluation_pass(c, store, tasks, temperature=0.0, tag="before-greedy", outcomes=outcomes)
             results = c.run([dict(tasks[0], task_id="extra")], mode="val")
         assert res["n"] == 5 and res["success"] == 0.0 and res["errors"] == 0
         assert res["a_call"] == 1.0 and res["valid_tool_call"] == 1.0 and res["gen_tokens"] > 0

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_middleware import TraceStore, wrap
-from lightning_middleware.controller import RolloutController
+from lightning_middleware.controller import RolloutController, RolloutResult
 from trainer_backend.demo.arith import SYSTEM, TOOL_DESCRIPTION, TOOL_PARSER, calculate, make_problems, reward
 from trainer_backend.demo.run import DemoConfig, DemoRun, say
 from trainer_backend.demo.smol_warm import Demonstration, arith_demonstrations
@@ -103,24 +103,30 @@ def episode_outcome(messages: list[Any], expected: int) -> dict[str, Any]:
             "tool_called": float(valid), "turns": len(ai), "end": "answered" if final else "no_answer"}
 
 
-def evaluate_smol(controller: RolloutController, store: TraceStore, tasks: list[dict[str, Any]], *,
-                  temperature: float, tag: str) -> dict[str, Any]:
-    """Held-out success, valid-tool-call rate and generation throughput (mode="val")."""
+def evaluation_pass(controller: RolloutController, store: TraceStore, tasks: list[dict[str, Any]], *,
+                    temperature: float, tag: str,
+                    outcomes: Callable[[TraceStore, list[RolloutResult]], dict[str, Any]]) -> dict[str, Any]:
+    """One pass over held-out `tasks` at `temperature` (mode="val": never trained on): the task's
+    `outcomes(store, results)` (success, valid tool calls, ...) and the generation throughput."""
     t0 = time.perf_counter()
     batch = [dict(t, temperature=temperature, task_id=f"{t['task_id']}-{tag}") for t in tasks]
     results = controller.run(batch, n=1, mode="val", metadata={"eval": tag})
     seconds = time.perf_counter() - t0
-    called, gen_tokens = 0.0, 0
+    gen_tokens = sum(len(c.completion_token_ids) for r in results for c in store.calls(r.rollout_id))
+    return {**outcomes(store, results), "temperature": temperature, "seconds": seconds, "gen_tokens": gen_tokens,
+            "slowest_s": max((r.duration_s for r in results), default=0.0), "gen_tokens_per_s": gen_tokens / seconds}
+
+
+def arith_outcomes(store: TraceStore, results: list[RolloutResult]) -> dict[str, Any]:
+    """Success and the share of episodes whose first turn was a valid calculator call (the agent's
+    reward metadata)."""
+    called = 0.0
     for r in results:
         final = [w for w in store.rewards(r.rollout_id) if w.final and w.agent is None]
         called += float((final[-1].metadata if final else {}).get("tool_called", 0.0))
-        gen_tokens += sum(len(c.completion_token_ids) for c in store.calls(r.rollout_id))
-    n = len(results)
-    return {"success": sum(1 for r in results if (r.reward or 0.0) >= 1.0) / n, "n": n,
-            "valid_tool_call": called / n, "errors": sum(1 for r in results if r.status != "succeeded"),
-            "temperature": temperature, "seconds": seconds, "gen_tokens": gen_tokens,
-            "slowest_s": max((r.duration_s for r in results), default=0.0),
-            "gen_tokens_per_s": gen_tokens / seconds}
+    n = max(1, len(results))
+    return {"success": sum(1 for r in results if (r.reward or 0.0) >= 1.0) / n, "n": len(results),
+            "valid_tool_call": called / n, "errors": sum(1 for r in results if r.status != "succeeded")}
 
 
 class SmolDemoRun(DemoRun):
@@ -205,9 +211,12 @@ class SmolDemoRun(DemoRun):
             return
         super().train()
 
+    outcomes = staticmethod(arith_outcomes)  # what one evaluation pass reports (the task's own)
+
     def _evaluate_pass(self, tasks: list[dict[str, Any]], temperature: float, tag: str) -> dict[str, Any]:
         assert self.controller is not None and self.store is not None
-        return evaluate_smol(self.controller, self.store, tasks, temperature=temperature, tag=tag)
+        return evaluation_pass(self.controller, self.store, tasks, temperature=temperature, tag=tag,
+                               outcomes=self.outcomes)
 
     @staticmethod
     def _say_pass(kind: str, r: dict[str, Any]) -> None:

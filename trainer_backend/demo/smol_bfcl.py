@@ -24,13 +24,12 @@ import collections
 import hashlib
 import json
 import random
-import time
 from collections.abc import Callable
 from typing import Any
 
 from lightning_middleware import RewardConfig, TraceStore
 from lightning_middleware.benchmarks import bfcl
-from lightning_middleware.controller import RolloutController, RolloutResult
+from lightning_middleware.controller import RolloutResult
 from trainer_backend.demo.run import DemoConfig
 from trainer_backend.demo.smol import POLICY, SmolDemoRun
 from trainer_backend.demo.smol_warm import Demonstration
@@ -82,18 +81,6 @@ def outcomes(store: TraceStore, results: list[RolloutResult]) -> dict[str, Any]:
             "errors": sum(1 for r in results if r.status != "succeeded"), "error_types": dict(kinds.most_common())}
 
 
-def evaluate_bfcl(controller: RolloutController, store: TraceStore, tasks: list[dict[str, Any]], *,
-                  temperature: float, tag: str) -> dict[str, Any]:
-    """`outcomes` of one pass over `tasks` at `temperature` (mode="val": never trained on)."""
-    t0 = time.perf_counter()
-    batch = [dict(t, temperature=temperature, task_id=f"{t['task_id']}-{tag}") for t in tasks]
-    results = controller.run(batch, n=1, mode="val", metadata={"eval": tag})
-    seconds = time.perf_counter() - t0
-    gen_tokens = sum(len(c.completion_token_ids) for r in results for c in store.calls(r.rollout_id))
-    return {**outcomes(store, results), "temperature": temperature, "seconds": seconds, "gen_tokens": gen_tokens,
-            "slowest_s": max((r.duration_s for r in results), default=0.0), "gen_tokens_per_s": gen_tokens / seconds}
-
-
 class BfclDemoRun(SmolDemoRun):
     """The SmolLM2 demo's steps on BFCL: its tasks, its checker as the reward, its warm start."""
 
@@ -120,9 +107,7 @@ class BfclDemoRun(SmolDemoRun):
     def _agent(self, base_url: str, store: TraceStore) -> Any:
         return bfcl.make_agent(base_url, model=POLICY, store=store, max_tokens=MAX_TOKENS)
 
-    def _evaluate_pass(self, tasks: list[dict[str, Any]], temperature: float, tag: str) -> dict[str, Any]:
-        assert self.controller is not None and self.store is not None
-        return evaluate_bfcl(self.controller, self.store, tasks, temperature=temperature, tag=tag)
+    outcomes = staticmethod(outcomes)
 
     def evaluate(self, tag: str) -> dict[str, Any]:
         res = super().evaluate(tag)
