@@ -87,7 +87,8 @@ def add_cli(sub: Any) -> None:
     p.set_defaults(func=lambda _a: (p.print_help(), 2)[1])
 
 
-def _backend_from(args: Any) -> str | KubernetesBackend | SandboxedBackend:
+def backend_from(args: Any) -> str | KubernetesBackend | SandboxedBackend:
+    """The backend `lightning-mw rollouts run` arguments name: a built-in's name, or a configured one."""
     if args.backend == "sandbox":
         return _sandboxed_from(args)
     if args.backend != "k8s":
@@ -124,7 +125,7 @@ def _sandboxed_from(args: Any) -> SandboxedBackend:
 
 def _controller_from(args: Any) -> RolloutController:
     sys.path.insert(0, os.getcwd())
-    return RolloutController(args.agent, store=args.store, backend=_backend_from(args), concurrency=args.concurrency,
+    return RolloutController(args.agent, store=args.store, backend=backend_from(args), concurrency=args.concurrency,
                              timeout_s=args.timeout, retry=RetryPolicy(max_attempts=1 + max(0, args.retries)),
                              workers=args.workers, ray_address=args.ray_address, rewards=args.rewards)
 

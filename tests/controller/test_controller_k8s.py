@@ -322,13 +322,13 @@ def test_a_pod_reaching_only_the_gateway_needs_its_token(monkeypatch) -> None:
     with pytest.raises(UsageError, match="runs one rollout"):
         KubernetesBackend(template(), gateway="http://gw:8100", gateway_token="t", rollouts_per_job=4)
     from lightning_middleware.cli import build_parser
-    from lightning_middleware.controller.cli import _backend_from
+    from lightning_middleware.controller.cli import backend_from
 
     argv = ["rollouts", "run", "--agent", "m:f", "--tasks", "t.jsonl", "--backend", "k8s", "--k8s-image", "img",
             "--gateway", "http://gw:8100"]
     with pytest.raises(UsageError, match="need its token"):
-        _backend_from(build_parser().parse_args(argv))
+        backend_from(build_parser().parse_args(argv))
     monkeypatch.setenv("LIGHTNING_GATEWAY_TOKEN", "t0k")
-    backend = _backend_from(build_parser().parse_args(argv))
+    backend = backend_from(build_parser().parse_args(argv))
     assert isinstance(backend, KubernetesBackend) and backend.gateway is not None
     assert backend.gateway.scoped_token("r1").startswith("lmr1.")
