@@ -138,6 +138,7 @@ class SmolDemoRun(DemoRun):
     warm_start_name = "smol-warm"  # its cache folder's prefix, which names the demonstrations
     max_model_len = 2048
     task_noun = "problems"
+    format_key = ("valid_tool_call", "valid tool call")  # the outcome that says the answer's form was right
 
     def __init__(self, cfg: DemoConfig) -> None:
         # 135M on a shared CPU: 128 concurrent rollouts queue for minutes
@@ -218,9 +219,9 @@ class SmolDemoRun(DemoRun):
         return evaluation_pass(self.controller, self.store, tasks, temperature=temperature, tag=tag,
                                outcomes=self.outcomes)
 
-    @staticmethod
-    def _say_pass(kind: str, r: dict[str, Any]) -> None:
-        say(f"      {kind}: success {r['success']:.1%}, valid tool call {r['valid_tool_call']:.1%}, "
+    def _say_pass(self, kind: str, r: dict[str, Any]) -> None:
+        key, label = self.format_key
+        say(f"      {kind}: success {r['success']:.1%}, {label} {r[key]:.1%}, "
             f"{r['gen_tokens_per_s']:.0f} generated tokens/s, {r['errors']} errors")
 
     def evaluate(self, tag: str) -> dict[str, Any]:

@@ -82,8 +82,10 @@ def arith_demonstrations(n: int, seed: int) -> list[Demonstration]:
 
 def sft_example(tok: Any, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
-    """(token IDs, loss mask): the loss covers the assistant turns and their <|im_end|>."""
-    text = tok.apply_chat_template(messages, tools=tools or [TOOL_SCHEMA], tokenize=False)
+    """(token IDs, loss mask): the loss covers the assistant turns and their <|im_end|>. `tools`:
+    what the episode was offered (None: the calculator; []: none)."""
+    text = tok.apply_chat_template(messages, tools=[TOOL_SCHEMA] if tools is None else (tools or None),
+                                   tokenize=False)
     enc = tok(text, return_offsets_mapping=True, add_special_tokens=False)
     spans, start, head = [], 0, "<|im_start|>assistant\n"
     while (i := text.find(head, start)) >= 0:

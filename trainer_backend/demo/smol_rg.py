@@ -1,0 +1,121 @@
+"""`lightning-mw demo --task rg:NAME`: SmolLM2-135M-Instruct learns a reasoning-gym dataset with RL,
+scored by the dataset's own `score_answer`.
+
+    lightning-mw demo --task "rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=1"
+
+The address names the dataset and its own config keys (lightning_middleware/benchmarks/reasoning.py);
+the demo sets each split's size and seed, so no item is shared:
+
+- train: `size = train_tasks`, seed `TRAIN_SEED + seed`;
+- held out: `size = eval_tasks`, seed `EVAL_SEED + seed`, a seed never trained on;
+- warm start: seed `SFT_SEED + warm_start_seed`, items shown with their answers.
+
+The agent is a LangChain chat model, `wrap()`ed, asked once with a system prompt that wants the
+answer inside `<answer>` tags; it returns nothing. The reward configuration (`rg_score`,
+`agent_reward = false`) scores the rollout's final output with the dataset's `score_answer`, partial
+credit included; a held-out item counts as solved only at score 1.0. The warm start (a LoRA SFT on
+`SFT_STEPS` x 4 items answered in tags, merged) teaches the answer format, as the arithmetic and
+BFCL tasks' teach their tool calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from lightning_middleware import RewardConfig, TraceStore, wrap
+from lightning_middleware.benchmarks import reasoning
+from lightning_middleware.controller import RolloutResult
+from trainer_backend.demo.run import DemoConfig
+from trainer_backend.demo.smol import POLICY, REQUEST_TIMEOUT_S, SmolDemoRun
+from trainer_backend.demo.smol_warm import Demonstration
+
+SYSTEM = "Answer the question. Give only the final answer, inside <answer></answer> tags."
+RULES: dict[str, Any] = {"rules": {"rg": {"function": "lightning_middleware.benchmarks.reasoning:rg_score",
+                                          "weight": 1.0}},
+                         "agent_reward": False}
+TRAIN_SEED, EVAL_SEED, SFT_SEED = 0, 1_000_000, 2_000_000  # each split its own seeds: no shared item
+SFT_STEPS = 6
+MAX_TOKENS = 64
+
+
+def split(address: str, size: int, seed: int) -> str:
+    """`address` (rg:NAME with the dataset's config keys) with this split's size and seed."""
+    a = reasoning.parse(address)
+    return str(reasoning.Address(a.name, size, seed, a.config))
+
+
+def demonstrations_for(address: str) -> Callable[[int, int], list[Demonstration]]:
+    """The warm start's demonstrations: `n` items of the SFT seed, answered in tags."""
+    def demonstrations(n: int, seed: int) -> list[Demonstration]:
+        a = reasoning.parse(split(address, n, SFT_SEED + seed))
+        ds = reasoning.dataset(a)
+        return [([{"role": "system", "content": SYSTEM}, {"role": "user", "content": ds[i]["question"]},
+                  {"role": "assistant", "content": f"<answer>{ds[i]['answer']}</answer>"}], [])
+                for i in range(n)]
+
+    return demonstrations
+
+
+def outcomes(store: TraceStore, results: list[RolloutResult]) -> dict[str, Any]:
+    """Solved (score 1.0), the mean score (partial credit), and the share of answers in tags."""
+    tagged, scores = 0, []
+    for r in results:
+        calls = store.calls(r.rollout_id)
+        reply = (calls[-1].response or {}) if calls else {}
+        text = str(((reply.get("choices") or [{}])[0].get("message") or {}).get("content") or "")
+        tagged += int("<answer>" in text and "</answer>" in text)
+        scores.append(r.reward or 0.0)
+    n = max(1, len(results))
+    return {"success": sum(1 for s in scores if s >= 1.0) / n, "n": len(results), "mean_score": sum(scores) / n,
+            "tagged": tagged / n, "errors": sum(1 for r in results if r.status != "succeeded")}
+
+
+def make_rg_agent(base_url: str, store: TraceStore | None, model: str = POLICY, max_tokens: int = MAX_TOKENS) -> Any:
+    """An async agent for the controller: one question, one answer, at the task's temperature."""
+    from langchain_openai import ChatOpenAI
+
+    chats: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
+
+    async def agent(task: dict[str, Any]) -> None:
+        loop = asyncio.get_running_loop()
+        if loop not in chats:  # one client per event loop (langchain-openai caches one per base URL)
+            import httpx
+
+            chats[loop] = wrap(ChatOpenAI(model=model, base_url=base_url, api_key="-", max_tokens=max_tokens,
+                                          max_retries=2, http_async_client=httpx.AsyncClient(
+                                              timeout=REQUEST_TIMEOUT_S)), store=store)
+        await chats[loop].bind(temperature=float(task.get("temperature", 1.0))).ainvoke(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}])
+
+    return agent
+
+
+class ReasoningDemoRun(SmolDemoRun):
+    """The SmolLM2 demo's steps on a reasoning-gym dataset: its items, its scorer, its warm start."""
+
+    sft_steps = SFT_STEPS
+    task_noun = "items"
+    format_key = ("tagged", "answer in tags")
+    outcomes = staticmethod(outcomes)
+
+    def __init__(self, cfg: DemoConfig) -> None:
+        super().__init__(cfg)
+        address = str(cfg.extra["rg"])
+        self.train_tasks = reasoning.tasks(split(address, cfg.train_tasks, TRAIN_SEED + cfg.seed))
+        self.eval_tasks = reasoning.tasks(split(address, cfg.eval_tasks, EVAL_SEED + cfg.seed))
+        self.address = address
+        # the cache names the dataset and its config: another task is another warm start
+        name = reasoning.parse(address).name
+        self.warm_start_name = f"smol-rg-{name}-{hashlib.sha256(split(address, 1, 0).encode()).hexdigest()[:8]}"
+        self.reward_config = RewardConfig.from_dict(RULES)
+        self.results["rewards"] = {"config": self.reward_config.describe(), "hash": self.reward_config.hash}
+
+    def _demonstrations(self) -> Callable[[int, int], list[Demonstration]]:
+        return demonstrations_for(self.address)
+
+    def _agent(self, base_url: str, store: TraceStore) -> Any:
+        return make_rg_agent(base_url, store)
