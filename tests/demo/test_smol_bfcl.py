@@ -61,6 +61,24 @@ def test_the_evaluation_is_bfcls_verdict_at_the_tasks_temperature(llm_server: LL
         store.close()
 
 
+def test_the_demos_training_rollouts_sample(llm_server: LLMTestServer, tmp_path: Path) -> None:
+    """A training task carries no temperature: the demo's agent samples it at T=1 (greedy groups
+    would be one answer four times, skipped by the trainer as uniform)."""
+    from lightning_middleware.cli import build_parser
+    from trainer_backend.demo.cli import config_from
+    from trainer_backend.demo.smol_bfcl import BfclDemoRun
+
+    run = BfclDemoRun(config_from(build_parser().parse_args(["demo", "--task", "bfcl", "--out", str(tmp_path)])))
+    store = TraceStore(f"sqlite:///{tmp_path / 'store.db'}")
+    try:
+        assert "temperature" not in run.train_tasks[0]
+        with RolloutController(run._agent(llm_server.base_url, store), store=store) as c:
+            [result] = c.run(run.train_tasks[:1])
+        assert store.calls(result.rollout_id)[0].request["temperature"] == 1.0
+    finally:
+        store.close()
+
+
 def test_outcomes_count_answers_without_a_call(tmp_path: Path) -> None:
     """An answer with no call is scored 0 by the rule and counted as `no_call`, not as a failure."""
     store = TraceStore(f"sqlite:///{tmp_path / 'store.db'}")

@@ -105,7 +105,9 @@ class BfclDemoRun(SmolDemoRun):
         return demonstrations
 
     def _agent(self, base_url: str, store: TraceStore) -> Any:
-        return bfcl.make_agent(base_url, model=POLICY, store=store, max_tokens=MAX_TOKENS)
+        # T=1 unless the task says: the training rollouts sample (a group of greedy answers is one
+        # answer four times, and carries no signal); the evaluation passes set their own
+        return bfcl.make_agent(base_url, model=POLICY, store=store, max_tokens=MAX_TOKENS, temperature=1.0)
 
     outcomes = staticmethod(outcomes)
 
