@@ -87,6 +87,11 @@ def dataset(address: Address) -> Any:
     except ImportError:
         raise BenchmarkError("rg: task addresses need reasoning-gym: pip install 'lightning-middleware[benchmarks]'"
                              ) from None
+    from reasoning_gym.factory import DATASETS
+
+    if address.name not in DATASETS:
+        raise BenchmarkError(f"{address}: reasoning-gym has no dataset {address.name!r}; it has "
+                             f"{', '.join(sorted(DATASETS))}")
     try:
         return reasoning_gym.create_dataset(address.name, size=address.size, seed=address.seed,
                                             **dict(address.config))

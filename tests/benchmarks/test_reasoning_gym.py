@@ -24,9 +24,13 @@ def test_an_address_names_a_dataset_its_size_seed_and_config() -> None:
     assert listed.config == (("operators", ("+",)),) and parse(str(listed)) == listed
     assert all(" - " not in t["question"] and " * " not in t["question"] for t in reasoning.tasks(str(listed)))
     for bad, why in (("rg:", "rg:NAME"), ("bfcl:x", "rg:NAME"), ("rg:x?size=ten", "integers"),
-                     ("rg:x?size=0", "positive"), ("rg:no_such_dataset?size=3", "reasoning-gym refused it")):
+                     ("rg:x?size=0", "positive"), ("rg:no_such_dataset?size=3", "no dataset 'no_such_dataset'"),
+                     ("rg:basic_arithmetic?size=3&no_such_key=1", "reasoning-gym refused it")):
         with pytest.raises(BenchmarkError, match=why):
             load_tasks(bad) if bad.startswith("rg:no_such") else reasoning.tasks(bad)
+    with pytest.raises(BenchmarkError) as unknown:  # the valid names, listed
+        reasoning.tasks("rg:no_such_dataset?size=3")
+    assert "basic_arithmetic, " in str(unknown.value) and "spell_backward" in str(unknown.value)
 
 
 def test_the_tasks_are_reasoning_gyms_own_items_the_same_every_time() -> None:
