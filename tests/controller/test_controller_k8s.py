@@ -332,3 +332,31 @@ def test_a_pod_reaching_only_the_gateway_needs_its_token(monkeypatch) -> None:
     backend = backend_from(build_parser().parse_args(argv))
     assert isinstance(backend, KubernetesBackend) and backend.gateway is not None
     assert backend.gateway.scoped_token("r1").startswith("lmr1.")
+
+
+def test_an_unrecorded_job_reports_what_the_agent_returned_and_its_deadline() -> None:
+    """What a pod that reaches only the gateway runs (execution.execute_unrecorded): no store, the
+    agent's returned number as the outcome's reward (its backend posts it), its errors and its
+    deadline as a recorded job's would be, sync (SIGALRM in the main thread) and async."""
+    import asyncio
+
+    from lightning_middleware.controller.execution import execute_unrecorded
+
+    def job(**kw: Any) -> RolloutJob:
+        return RolloutJob(rollout_id="r", task_id="t", task=kw.pop("task", {}), store_url=None, **kw)
+
+    assert execute_unrecorded(lambda task: 0.25, job()).reward == 0.25
+    assert execute_unrecorded(lambda task: {"reward": 1, "why": "x"}, job()).reward == 1.0
+    none = execute_unrecorded(lambda task: None, job())
+    assert (none.status, none.reward) == ("succeeded", None)
+    bad = execute_unrecorded(lambda task: "yes", job())
+    assert bad.status == "failed" and bad.error.startswith("TypeError")
+    slept = execute_unrecorded(lambda task: time.sleep(5), job(timeout_s=0.2))
+    assert slept.status == "timeout" and slept.duration_s < 2
+
+    async def waits(task: dict[str, Any]) -> float:
+        await asyncio.sleep(5)
+        return 1.0
+
+    late = execute_unrecorded(waits, job(timeout_s=0.2))
+    assert late.status == "timeout" and late.duration_s < 2
