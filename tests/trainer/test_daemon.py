@@ -7,6 +7,7 @@ train on them). The engine is the real TorchEngine.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -168,10 +169,25 @@ def test_two_daemons_never_take_the_same_rollout(llm_server, store_url, model_di
     daemons = [make_daemon(own_store(store_url), model_dir, tmp_path, trainer_id=f"d{i}",
                            group=GroupPolicy(group_size=4, groups_per_step=1)) for i in range(2)]
     errors: list[BaseException] = []
+    # Lockstep: after each step a daemon waits for the other's, so every round both claim at once
+    # (the race under test) and the work is shared whatever the machine's load; a daemon that
+    # started late had let the other take 7 of the 8 groups on a loaded machine.
+    barrier = threading.Barrier(2, timeout=60)
+    steps_done = itertools.count(1)
+
+    def in_lockstep(_result: object) -> None:
+        if next(steps_done) >= 8:  # every group trained: both stop
+            for d in daemons:
+                d.stop()
+            barrier.abort()
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            pass
 
     def run(daemon: TrainerDaemon) -> None:
         try:
-            daemon.run(idle_timeout_s=1.0)
+            daemon.run(idle_timeout_s=60.0, on_step=in_lockstep)
         except BaseException as exc:  # a "database is locked" would end up here
             errors.append(exc)
 
