@@ -51,6 +51,13 @@ BREACHES: dict[str, type[SandboxBreach]] = {c.kind: c for c in (SandboxNetwork, 
 _BREACH_TYPE = f"{SandboxBreach.__module__}.{SandboxBreach.__qualname__}"
 
 
+def breach_in(error_types: Sequence[str]) -> type[SandboxBreach] | None:
+    """The breach class an outcome's error types name (an outcome's `error_types`), or None."""
+    if _BREACH_TYPE not in error_types:
+        return None
+    return next((c for c in BREACHES.values() if type_names(c)[0] in error_types), None)
+
+
 DEFAULT_RETRY_ON: tuple[str, ...] = (
     "ConnectionError",  # builtins: refused/reset connections
     "openai.APIConnectionError",  # includes APITimeoutError

@@ -50,11 +50,11 @@ from lightning_middleware.controller.backends.k8s_template import (
 )
 from lightning_middleware.controller.execution import AgentFn
 from lightning_middleware.controller.jobs import (
-    BREACHES,
     RolloutJob,
     RolloutOutcome,
     SandboxLimit,
     WorkerLost,
+    breach_in,
     type_names,
 )
 from lightning_middleware.errors import UsageError
@@ -336,7 +336,7 @@ class KubernetesBackend:
     async def _through_gateway(self, job: RolloutJob, outcome: RolloutOutcome, t0: float) -> RolloutOutcome:
         """Finish a rollout the gateway records with the pod's verdict; a breach the gateway saw wins."""
         assert self.gateway is not None
-        breach = BREACHES.get(outcome.error.split(":", 1)[0]) if outcome.error else None
+        breach = breach_in(outcome.error_types)
         seen = await self._call(self.gateway.breach_seen, self._store, job.rollout_id)
         status, error = outcome.status, outcome.error
         if seen is not None:
@@ -430,7 +430,7 @@ class KubernetesBackend:
         """Under a `Sandbox`, the pod's limits are the sandbox's, as on one machine: its memory limit's
         OOM kill and the rollout's deadline are `sandbox_limit` breaches (failed, timeout), never retried."""
         sb = self.template.sandbox
-        if sb is None or any(t.endswith("SandboxBreach") for t in outcome.error_types):
+        if sb is None or breach_in(outcome.error_types) is not None:
             return outcome
         oom = sb.memory_bytes is not None and any(t.endswith("PodOOMKilled") for t in outcome.error_types)
         if not oom and outcome.status != RolloutStatus.TIMEOUT.value:
