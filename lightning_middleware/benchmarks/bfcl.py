@@ -22,7 +22,6 @@ checker and the tool conversion read are registered first (`_import_bfcl`).
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import hashlib
 import json
@@ -239,25 +238,10 @@ def make_agent(base_url: str, *, model: str, store: Any = None, temperature: flo
     single-turn categories score the first answer. It returns no reward: `bfcl_score`, in the
     reward configuration, scores the rollout. A task's own `temperature` wins over `temperature`.
     `system`: a system message put before the question (BFCL's own function-calling runs send none)."""
-    import weakref
+    from lightning_middleware.benchmarks.chat import chat_per_loop
 
-    import httpx
-    from langchain_openai import ChatOpenAI
-
-    from lightning_middleware import wrap
-
-    # One client per event loop: langchain-openai caches a default async HTTP client per base URL,
-    # which the next controller run (a new loop) would find bound to a closed one.
-    chats: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
-
-    def chat() -> Any:
-        loop = asyncio.get_running_loop()
-        if loop not in chats:
-            llm = ChatOpenAI(model=model, base_url=base_url, api_key=api_key,
-                             temperature=temperature, max_tokens=max_tokens, max_retries=2,
-                             http_async_client=httpx.AsyncClient(timeout=600.0))
-            chats[loop] = wrap(llm, store=store)  # the one line
-        return chats[loop]
+    chat = chat_per_loop(base_url, model=model, store=store, api_key=api_key, temperature=temperature,
+                         max_tokens=max_tokens)
 
     async def agent(task: dict[str, Any]) -> None:
         messages = [{"role": "system", "content": system}, *task["messages"]] if system else task["messages"]

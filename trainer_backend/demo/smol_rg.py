@@ -20,13 +20,11 @@ BFCL tasks' teach their tool calls.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import weakref
 from collections.abc import Callable
 from typing import Any
 
-from lightning_middleware import RewardConfig, TraceStore, wrap
+from lightning_middleware import RewardConfig, TraceStore
 from lightning_middleware.benchmarks import reasoning
 from lightning_middleware.controller import RolloutResult
 from trainer_backend.demo.run import DemoConfig
@@ -76,19 +74,12 @@ def outcomes(store: TraceStore, results: list[RolloutResult]) -> dict[str, Any]:
 
 def make_rg_agent(base_url: str, store: TraceStore | None, model: str = POLICY, max_tokens: int = MAX_TOKENS) -> Any:
     """An async agent for the controller: one question, one answer, at the task's temperature."""
-    from langchain_openai import ChatOpenAI
+    from lightning_middleware.benchmarks.chat import chat_per_loop
 
-    chats: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
+    chat = chat_per_loop(base_url, model=model, store=store, timeout_s=REQUEST_TIMEOUT_S, max_tokens=max_tokens)
 
     async def agent(task: dict[str, Any]) -> None:
-        loop = asyncio.get_running_loop()
-        if loop not in chats:  # one client per event loop (langchain-openai caches one per base URL)
-            import httpx
-
-            chats[loop] = wrap(ChatOpenAI(model=model, base_url=base_url, api_key="-", max_tokens=max_tokens,
-                                          max_retries=2, http_async_client=httpx.AsyncClient(
-                                              timeout=REQUEST_TIMEOUT_S)), store=store)
-        await chats[loop].bind(temperature=float(task.get("temperature", 1.0))).ainvoke(
+        await chat().bind(temperature=float(task.get("temperature", 1.0))).ainvoke(
             [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}])
 
     return agent
