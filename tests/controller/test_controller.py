@@ -334,3 +334,15 @@ def test_cli_run_and_metrics(llm_server: LLMTestServer, sq: TraceStore, tmp_path
     assert main(["rollouts", "reap", "--store", url, "--older-than", "60"]) == 0
     assert "ended 0" in capsys.readouterr().out
     get_store(url).close()  # the one run and eval shared, as a process's wrapped clients do (a CLI's ends with it)
+
+
+def test_an_outcomes_breach_class_is_read_from_its_error_types() -> None:
+    """`jobs.breach_in`: the class a breach outcome's error types name; none for other errors, and
+    a breach is never retried, whatever the policy names."""
+    from lightning_middleware.controller.jobs import BREACHES, SandboxBreach, breach_in, type_names
+
+    for breach in BREACHES.values():
+        assert breach_in(type_names(breach)) is breach
+        assert not RetryPolicy(retry_on=("Exception", "builtins.BaseException")).matches(type_names(breach))
+    assert breach_in(type_names(ConnectionRefusedError)) is None and breach_in(()) is None
+    assert breach_in(type_names(SandboxBreach)) is None  # the base names no class
