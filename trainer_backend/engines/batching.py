@@ -1,6 +1,13 @@
-"""Rows to padded micro-batches: a greedy split by padded tokens (and an estimate of the
-activations they keep for backward), tensors shifted to the
-position that predicts each token (the step-normalised loss weights come in per row)."""
+"""Rows to padded micro-batches: a greedy split by the tokens the decoder computes (and an
+estimate of the activations they keep for backward), tensors shifted to the position that
+predicts each token (the step-normalised loss weights come in per row).
+
+Shared prefixes: a GRPO group's rows repeat one prompt (BFCL's ~400-token tool documents, four
+times), and the rows of one multi-turn rollout repeat its first turns. `plan_micro_batches` finds
+rows that start with the same tokens; the engine decodes those tokens once and the rows' own
+tokens on top of them (the prefix's keys and values are shared, gradients flow back through them),
+so a group of G rows of prompt P and completion S costs P + G x S tokens instead of G x (P + S).
+"""
 
 from __future__ import annotations
 
@@ -32,6 +39,32 @@ class MicroBatch:
     temperature: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
     top_k: torch.Tensor | None = None
+    # Rows (positions in this micro-batch) whose first `length` tokens are the same, decoded once;
+    # rows in none are decoded together as one padded batch.
+    shared: tuple[SharedPrefix, ...] = ()
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """Rows whose first `length` tokens are equal (each row has at least one token after them)."""
+
+    rows: tuple[int, ...]
+    length: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One micro-batch to build: row indices of the step, their shared prefixes (in row indices of
+    the step), and the tokens the decoder computes for it (the activation-budget measure)."""
+
+    index: tuple[int, ...]
+    shared: tuple[SharedPrefix, ...] = ()
+    tokens: int = 0
+
+
+# What a shared prefix's extra decoder calls (one for the prefix, one for the rows on it) cost, in
+# tokens of work: a prefix shared by few rows and few tokens is not worth two more calls.
+CALL_COST = 32
 
 
 def split_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -48,6 +81,92 @@ def split_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[in
     if current:
         batches.append(current)
     return batches
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` have in common."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def plan_micro_batches(seqs: Sequence[Sequence[int]], max_tokens: int, *, share: bool = True,
+                       call_cost: int = CALL_COST) -> list[Plan]:
+    """Micro-batches of rows (token sequences) whose decoder work stays within `max_tokens`.
+
+    share=False: `split_micro_batches` by padded tokens, in order. share=True: the rows are sorted
+    by their tokens, so rows with a common prefix are neighbours, and cut into runs by dynamic
+    programming: a run of n rows sharing P tokens costs P + n x (its longest row - P) + call_cost,
+    a row on its own costs its length, the total is the least. Runs (in the order of their first
+    row) and lone rows then fill micro-batches in turn; the lone rows of a micro-batch cost their
+    count x the longest of them (one padded batch). Without any shared prefix this is exactly
+    the share=False split."""
+    n = len(seqs)
+    if not share or n < 2:
+        return [Plan(tuple(ix), (), len(ix) * max((len(seqs[i]) for i in ix), default=0))
+                for ix in split_micro_batches([len(s) for s in seqs], max_tokens)]
+    order = sorted(range(n), key=lambda i: tuple(seqs[i]))
+    lcp = [common_prefix(seqs[order[k]], seqs[order[k + 1]]) for k in range(n - 1)]
+    # best[j]: least cost of the first j sorted rows; cut[j]: where the last run of them starts.
+    best = [0] * (n + 1)
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        last = len(seqs[order[j - 1]])
+        best[j], cut[j] = best[j - 1] + last, j - 1
+        shared_len, shortest, longest = last, last, last
+        for i in range(j - 1, 0, -1):  # the run order[i-1 .. j-1], at least two rows
+            shared_len = min(shared_len, lcp[i - 1])
+            shortest = min(shortest, len(seqs[order[i - 1]]))
+            longest = max(longest, len(seqs[order[i - 1]]))
+            p = min(shared_len, shortest - 1)  # every row keeps a token of its own after the prefix
+            if p <= 0:
+                break
+            cost = p + (j - i + 1) * (longest - p) + call_cost
+            if cost > max_tokens:
+                break
+            if best[i - 1] + cost < best[j]:
+                best[j], cut[j] = best[i - 1] + cost, i - 1
+    runs: list[tuple[list[int], int]] = []  # (rows, shared length); 0: a lone row
+    j = n
+    while j > 0:
+        i = cut[j]
+        rows = [order[k] for k in range(i, j)]
+        p = 0
+        if len(rows) > 1:
+            p = min(min(lcp[i:j - 1]), min(len(seqs[r]) for r in rows) - 1)
+        runs.append((sorted(rows), p))
+        j = i
+    runs.sort(key=lambda run: run[0][0])
+    return _pack(runs, [len(s) for s in seqs], max_tokens, call_cost)
+
+
+def _pack(runs: list[tuple[list[int], int]], lengths: Sequence[int], max_tokens: int, call_cost: int) -> list[Plan]:
+    plans: list[Plan] = []
+    index: list[int] = []
+    shared: list[SharedPrefix] = []
+    lone: list[int] = []
+    shared_cost = 0
+
+    def cost(extra_lone: list[int], extra_shared: int) -> int:
+        alone = lone + extra_lone
+        return shared_cost + extra_shared + len(alone) * max((lengths[i] for i in alone), default=0)
+
+    for rows, p in runs:
+        add = p + len(rows) * (max(lengths[r] for r in rows) - p) + call_cost if p else 0
+        if index and cost([] if p else rows, add) > max_tokens:
+            plans.append(Plan(tuple(index), tuple(shared), cost([], 0)))
+            index, shared, lone, shared_cost = [], [], [], 0
+        index += rows
+        if p:
+            shared.append(SharedPrefix(tuple(rows), p))
+            shared_cost += add
+        else:
+            lone += rows
+    if index:
+        plans.append(Plan(tuple(index), tuple(shared), cost([], 0)))
+    return plans
 
 
 def activation_bytes_per_token(*, layers: int, hidden: int, intermediate: int | None, dtype_bytes: int,
@@ -85,8 +204,10 @@ def token_budget(model_config: Any, cap: int, budget_mb: float | None, *, dtype_
 
 
 def make_micro_batch(rows: Sequence[Row], index: Sequence[int], weights: Sequence[torch.Tensor],
-                     pad_id: int = 0) -> MicroBatch:
+                     pad_id: int = 0, shared: Sequence[SharedPrefix] = ()) -> MicroBatch:
+    """`shared` names rows by their index in `rows` (a `Plan`'s); the micro-batch holds them by position."""
     T = max(len(rows[i]) for i in index)
+    position = {i: b for b, i in enumerate(index)}
     B = len(index)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     attn = torch.zeros(B, T, dtype=torch.long)
@@ -106,7 +227,8 @@ def make_micro_batch(rows: Sequence[Row], index: Sequence[int], weights: Sequenc
                       weights=w[:, 1:], advantages=adv, behaviour_logp=blp[:, 1:], has_behaviour=has,
                       temperature=_per_token(rows, index, T, "temperature", 1.0, torch.float32),
                       top_p=_per_token(rows, index, T, "top_p", 1.0, torch.float32),
-                      top_k=_per_token(rows, index, T, "top_k", 0, torch.long))
+                      top_k=_per_token(rows, index, T, "top_k", 0, torch.long),
+                      shared=tuple(SharedPrefix(tuple(position[i] for i in g.rows), g.length) for g in shared))
 
 
 def _advantages(rows: Sequence[Row], index: Sequence[int], T: int) -> torch.Tensor:

@@ -38,7 +38,13 @@ from trainer_backend.algorithms.logprobs import (
 )
 from trainer_backend.algorithms.losses import loss_weights, policy_loss, rollout_coefficients
 from trainer_backend.engines import lora, model_advantages
-from trainer_backend.engines.batching import MicroBatch, make_micro_batch, split_micro_batches, token_budget
+from trainer_backend.engines.batching import (
+    MicroBatch,
+    SharedPrefix,
+    make_micro_batch,
+    plan_micro_batches,
+    token_budget,
+)
 from trainer_backend.engines.critic import Critic
 from trainer_backend.engines.precision import resolve_precision
 from trainer_backend.engines.torch_config import LR_SCHEDULES, PRECISIONS, STATE_FILE, TorchEngineConfig, lr_factor
@@ -179,6 +185,18 @@ class TorchEngine:
 
     # -- forward helpers
 
+    def _micro_batches(self, rows: Sequence[Row], weights: Sequence[torch.Tensor]) -> list[MicroBatch]:
+        """The step's rows in micro-batches within the token budget; rows that start alike share
+        their prefix's decoding where the engine runs the decoder itself (the chunked head), and
+        neither gradient checkpointing (it drops a layer's keys and values) nor compiled layers
+        (the prefix, the rows on it and lone rows are three graphs per layer: past dynamo's
+        recompile limit) are on."""
+        share = (self.config.share_prefixes and self.config.logits_budget_mb is not None
+                 and not self.config.gradient_checkpointing and not self.config.compile
+                 and split_head(self.model) is not None)
+        plans = plan_micro_batches([r.input_ids for r in rows], self.micro_batch_tokens, share=share)
+        return [make_micro_batch(rows, p.index, weights, self.pad_id, p.shared) for p in plans]
+
     def _autocast(self):
         if self.config.precision == "bf16-autocast":
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
@@ -205,7 +223,10 @@ class TorchEngine:
         with self._autocast():
             if split is not None:
                 decoder, out = split
-                hidden = decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state[:, keep]
+                if mb.shared:
+                    hidden = decode_shared_prefixes(decoder, ids, attn, mb.shared)[:, keep]
+                else:
+                    hidden = decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state[:, keep]
                 chunk = chunk_positions(out.out_features, self.config.logits_budget_mb or 0.0)
                 logp_k, ent_k = head_logprobs(hidden, out, targets, sampling, with_entropy, chunk)
             else:
@@ -267,8 +288,7 @@ class TorchEngine:
         t0 = time.perf_counter()
         cfg = self.config.loss
         weights = loss_weights([torch.tensor(r.loss_mask) for r in rows], [r.rollout_id for r in rows], cfg.agg)
-        batches = [make_micro_batch(rows, idx, weights, self.pad_id)
-                   for idx in split_micro_batches([len(r) for r in rows], self.micro_batch_tokens)]
+        batches = self._micro_batches(rows, weights)
         # Old log-probs first, for every micro-batch, so that all are taken before any update. With
         # truncated importance sampling the old policy is the current one: every forward below
         # runs before the update, so its detached log-probs are it (no extra forward).
@@ -341,8 +361,7 @@ class TorchEngine:
         t0 = time.perf_counter()
         pairs = pairs_from_rows([r.task_id for r in rows], [r.rollout_id for r in rows], [r.advantage for r in rows])
         weights = [torch.tensor(r.loss_mask, dtype=torch.float32) for r in rows]  # a plain sum over response tokens
-        batches = [make_micro_batch(rows, idx, weights, self.pad_id)
-                   for idx in split_micro_batches([len(r) for r in rows], self.micro_batch_tokens)]
+        batches = self._micro_batches(rows, weights)
         logp: dict[str, float] = dict.fromkeys((r.rollout_id for r in rows), 0.0)
         ref_logp = dict(logp)
         with torch.no_grad():
@@ -385,6 +404,7 @@ class TorchEngine:
             "micro_batches": float(len(batches)),
             "tokens": float(tokens),
             "padded_tokens": float(sum(mb.input_ids.numel() for mb in batches)),
+            "decoded_tokens": float(sum(decoded_tokens(mb) for mb in batches)),
             "response_tokens": sums["response_tokens"],
             "time_s": elapsed,
             "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
@@ -401,10 +421,9 @@ class TorchEngine:
         self._activate()
         weights = loss_weights([torch.tensor(r.loss_mask) for r in rows], [r.rollout_id for r in rows], "token-mean")
         out: list[tuple[float, ...]] = [()] * len(rows)
-        for idx in split_micro_batches([len(r) for r in rows], self.micro_batch_tokens):
-            mb = make_micro_batch(rows, idx, weights, self.pad_id)
+        for mb in self._micro_batches(rows, weights):
             logp, _ = self._forward(self.model, mb, with_entropy=False)
-            for b, i in enumerate(idx):
+            for b, i in enumerate(mb.index):
                 masked = (logp[b] * (mb.weights[b] != 0)).tolist()[: len(rows[i]) - 1]
                 out[i] = (0.0, *masked)
         return out
@@ -439,6 +458,47 @@ class TorchEngine:
                 shutil.copy2(src, out / name)
         log.info("saved policy version %d to %s", self.policy_version, out)
         return out
+
+
+def decoded_tokens(mb: MicroBatch) -> int:
+    """The tokens the decoder computes for `mb`: each shared prefix once, each row's own tokens, and
+    the lone rows padded to the longest of them."""
+    lengths = mb.attention_mask.sum(-1).tolist()
+    in_groups = {b for g in mb.shared for b in g.rows}
+    lone = [n for b, n in enumerate(lengths) if b not in in_groups]
+    return (sum(g.length + len(g.rows) * (max(lengths[b] for b in g.rows) - g.length) for g in mb.shared)
+            + len(lone) * max(lone, default=0))
+
+
+def decode_shared_prefixes(decoder: Any, ids: torch.Tensor, attn: torch.Tensor,
+                           shared: Sequence[SharedPrefix]) -> torch.Tensor:
+    """The decoder's last hidden states (B, T, H) of a right-padded batch, each shared prefix
+    decoded once: its keys and values, repeated for its rows, are the past of the rows' own tokens
+    (a transformers `DynamicCache`; the rows' gradients flow back into the prefix through them).
+    Rows in no shared prefix are decoded together as usual."""
+    from transformers import DynamicCache
+
+    B, T = ids.shape
+    parts: list[tuple[list[int], torch.Tensor]] = []
+    for group in shared:
+        rows = list(group.rows)
+        end = int(attn[rows].sum(-1).max())  # the longest row of the group: less padding
+        cache = DynamicCache(config=decoder.config)
+        prefix = decoder(input_ids=ids[rows[:1], :group.length], past_key_values=cache,
+                         use_cache=True).last_hidden_state
+        cache.batch_repeat_interleave(len(rows))
+        own = decoder(input_ids=ids[rows, group.length:end], attention_mask=attn[rows, :end], past_key_values=cache,
+                      use_cache=True).last_hidden_state
+        parts.append((rows, torch.cat([prefix.expand(len(rows), -1, -1), own], dim=1)))
+    in_groups = {b for group in shared for b in group.rows}
+    lone = [b for b in range(B) if b not in in_groups]
+    if lone:
+        end = int(attn[lone].sum(-1).max())
+        parts.append((lone, decoder(input_ids=ids[lone, :end], attention_mask=attn[lone, :end],
+                                    use_cache=False).last_hidden_state))
+    hidden = torch.cat([torch.nn.functional.pad(h, (0, 0, 0, T - h.shape[1])) for _, h in parts])
+    order = torch.tensor([b for rows, _ in parts for b in rows], device=ids.device)
+    return hidden[torch.argsort(order)]
 
 
 def _behaviour_gap(logp: torch.Tensor, mb: MicroBatch, device: torch.device) -> dict[str, torch.Tensor]:
