@@ -4,6 +4,8 @@ per step. Real rollouts on the test LLM server, real store, the real TorchEngine
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("torch")
@@ -91,8 +93,11 @@ def _judge(body: dict) -> str:
     return "Ranking: " + " = ".join(good) + " > " + " = ".join(c for c in cands if c not in good)
 
 
+@pytest.mark.parametrize("rank_ahead", [False, True], ids=["in-the-collect", "ahead"])
 def test_the_daemon_ranks_each_ready_group_before_training(llm_server, store: TraceStore, model_dir,
-                                                          tmp_path) -> None:
+                                                          tmp_path, rank_ahead: bool) -> None:
+    """In the collect, or in the daemon's thread ahead of it: each group asked once, a failed
+    ranking (never readable) not asked again and its rollouts skipped."""
     from tests.rewards.ranking_judge import ranking_judge
 
     run_rollouts(llm_server, store, {"a": [1, 0, 1, 0], "b": [0, 0, 1, 1], "c": [1, 1, 0, 0]})
@@ -101,9 +106,10 @@ def test_the_daemon_ranks_each_ready_group_before_training(llm_server, store: Tr
                                       "rank_judge": {"url": judge.url, "model": "j", "weight": 2.0, "retries": 1}})
         with pytest.raises(ValueError, match="is not the hash of rewards.config"):
             make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg, version="0" * 16))
-        daemon = make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg))
-        result = daemon.step_once()
-        assert result is not None and len(judge.seen) == 4  # a twice (never readable), b and c once
+        daemon = make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg, rank_ahead=rank_ahead))
+        [result] = daemon.run(max_steps=1, idle_timeout_s=60)  # ahead: the first collects may find it ranking
+        assert len(judge.seen) == 4  # a twice (never readable), b and c once
+        time.sleep(10 * daemon.config.poll_interval_s)  # the thread's next rounds: a is not asked about again
         assert daemon.step_once() is None and len(judge.seen) == 4  # nothing left; nobody asked again
     m = result.metrics
     assert m["n_rollouts"] == 8  # b and c

@@ -1,11 +1,13 @@
 """The daemon's reward review beyond versions and deadlines (test_reward_gate.py): a ranking that
 only a trainer with the configuration can do (held loudly, not skipped), ready groups ranked
-concurrently with the judge's time as a step metric, and a per-call component awaited for every
-call. Real rollouts on the test LLM server, a real judge on loopback, the real store and TorchEngine."""
+concurrently with the judge's time as a step metric, ranked ahead in a thread while the trainer
+trains (each group once), and a per-call component awaited for every call. Real rollouts on the
+test LLM server, a real judge on loopback, the real store and TorchEngine."""
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any
 
@@ -17,7 +19,8 @@ pytest.importorskip("torch")
 from lightning_middleware import Reward, RewardConfig, TraceStore, rollout, wrap  # noqa: E402
 from lightning_middleware.rewards import rescore  # noqa: E402
 from lightning_middleware.testing import LLMTestServer  # noqa: E402
-from tests.rewards.ranking_judge import candidates, ranking_judge, slow  # noqa: E402
+from tests.faults.matrix import wait_for  # noqa: E402
+from tests.rewards.ranking_judge import Judge, candidates, ranking_judge, slow  # noqa: E402
 from tests.trainer import test_daemon  # noqa: E402
 from tests.trainer.test_daemon import make_daemon, run_rollouts  # noqa: E402
 from trainer_backend.daemon.config import GroupPolicy  # noqa: E402
@@ -89,7 +92,7 @@ def test_ready_groups_are_ranked_concurrently_and_the_judge_time_is_a_metric(llm
     with ranking_judge(slow(_in_order, latency, peak)) as judge:
         cfg = RewardConfig.from_dict({"rules": {"agent_reward": 1.0},
                                       "rank_judge": {"url": judge.url, "model": "j", "concurrency": 4}})
-        daemon = make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg),
+        daemon = make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg, rank_ahead=False),
                              group=GroupPolicy(group_size=4, groups_per_step=4, min_group_size=2))
         t0 = time.perf_counter()
         batch = daemon.collect()
@@ -118,7 +121,7 @@ def test_a_backlog_of_ready_groups_is_ranked_a_chunk_at_a_time(llm_server, store
     with ranking_judge(_in_order) as judge:
         cfg = RewardConfig.from_dict({"rules": {"agent_reward": 1.0},
                                       "rank_judge": {"url": judge.url, "model": "j", "concurrency": 2}})
-        daemon = make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg),
+        daemon = make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg, rank_ahead=False),
                              group=GroupPolicy(group_size=4, groups_per_step=1, min_group_size=2))
         steps = []
         for asked, ranked in ((2, "ab"), (3, "abc"), (4, "abcd")):
@@ -128,6 +131,76 @@ def test_a_backlog_of_ready_groups_is_ranked_a_chunk_at_a_time(llm_server, store
             steps.append(result.metrics["rank_judge_groups"])
     assert steps == [2, 1, 1]
     assert sorted({r.task_id for r in store.query_rollouts(consumed=True)}) == ["a", "b", "c"]
+
+
+def _asked(judge: Judge) -> list[str]:
+    """The task of each group the judge was asked to rank (its transcripts say "<task> try <i>")."""
+    found = (re.search(r"\b(\w) try \d", text) for body in judge.seen for text in list(candidates(body).values())[:1])
+    return sorted(m.group(1) for m in found if m)
+
+
+def _ranked_tasks(store: TraceStore) -> set[str]:
+    stored = store.rewards_for([r.id for r in store.query_rollouts()])
+    by_task: dict[str, list[bool]] = {}
+    for r in store.query_rollouts():
+        by_task.setdefault(r.task_id, []).append(any(x.name == "rank_judge" for x in stored.get(r.id, [])))
+    return {t for t, ranked in by_task.items() if all(ranked)}
+
+
+def test_ranking_ahead_takes_the_judge_off_the_step(llm_server, store: TraceStore, model_dir, tmp_path) -> None:
+    """Four ready groups, steps of two: the daemon's thread ranks the next two steps' groups while
+    nothing trains, so the steps' collects wait for no judge (reward_judge_s 0) and each group is
+    asked about once."""
+    latency, peak = 1.0, [0]
+    run_rollouts(llm_server, store, {t: [1, 0, 1, 0] for t in "abcd"})
+    with ranking_judge(slow(_in_order, latency, peak)) as judge:
+        cfg = RewardConfig.from_dict({"rules": {"agent_reward": 1.0},
+                                      "rank_judge": {"url": judge.url, "model": "j", "concurrency": 4}})
+        daemon = make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg))
+        wait_for("the thread to rank four groups", lambda: _ranked_tasks(store) == set("abcd"))
+        first, second = daemon.step_once(), daemon.step_once()
+    assert first is not None and second is not None
+    assert _asked(judge) == ["a", "b", "c", "d"] and peak[0] == 4  # once each, all four at once
+    m1, m2 = first.metrics, second.metrics
+    assert m1["reward_judge_s"] == 0.0 and m2["reward_judge_s"] == 0.0  # no collect asked the judge
+    assert m1["rank_judge_ahead_groups"] == 4 and m1["reward_judge_ahead_s"] >= latency
+    assert m2["rank_judge_ahead_groups"] == 0 and m2["reward_judge_ahead_s"] == 0.0
+    assert m1["rank_judge_groups"] == 4 and m1["n_groups"] == m2["n_groups"] == 2
+    assert sorted({r.task_id for r in store.query_rollouts(consumed=True)}) == ["a", "b", "c", "d"]
+
+
+def test_a_group_the_thread_is_ranking_waits_unclaimed_and_is_ranked_once(llm_server, store: TraceStore,
+                                                                          model_dir, tmp_path) -> None:
+    """A collect that meets groups whose ranking is under way in the thread leaves them in the
+    pool (no claim, no second request to the judge); the next collect trains them."""
+    latency = 3.0
+    run_rollouts(llm_server, store, {t: [1, 0, 1, 0] for t in "ab"})
+    with ranking_judge(slow(_in_order, latency, [0])) as judge:
+        cfg = RewardConfig.from_dict({"rules": {"agent_reward": 1.0},
+                                      "rank_judge": {"url": judge.url, "model": "j", "concurrency": 2}})
+        daemon = make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg))
+        wait_for("the thread to ask the judge", lambda: len(judge.seen) >= 1)
+        assert daemon.collect() is None  # both groups are being ranked: they wait
+        assert store.query_rollouts(claimed=True) == [] and not daemon.skipped_total
+        [result] = daemon.run(max_steps=1, idle_timeout_s=60)
+    assert _asked(judge) == ["a", "b"]
+    assert result.metrics["n_groups"] == 2 and result.metrics["reward_judge_s"] == 0.0
+
+
+def test_a_failed_ranking_is_not_asked_again(llm_server, store: TraceStore) -> None:
+    """A judge never readable: the gate's ranking fails once (its retry included) and the group
+    counts as ranked: the thread does not ask again each round, and the collect skips its rollouts."""
+    run_rollouts(llm_server, store, {"a": [1, 0, 1, 0]})
+    with ranking_judge(["I cannot rank these."]) as judge:
+        cfg = RewardConfig.from_dict({"rules": {"agent_reward": 1.0},
+                                      "rank_judge": {"url": judge.url, "model": "j", "retries": 1}})
+        gate = RewardGate(store, RewardPolicy(config=cfg))
+        group = store.query_rollouts(task_id="a")
+        assert gate.rank_ahead([group]) == 1 and len(judge.seen) == 2
+        assert gate.rank_ahead([group]) == 0 and len(judge.seen) == 2
+        [reviewed] = gate.review_groups([group])
+    assert reviewed is not None and all(r.final_reward is None for r in reviewed)
+    assert {gate.reasons[r.id] for r in group} == {"rank_judge_failed"} and len(judge.seen) == 2
 
 
 def test_a_per_call_component_is_awaited_for_every_call(llm_server, store: TraceStore, model_dir, tmp_path) -> None:

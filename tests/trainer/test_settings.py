@@ -169,13 +169,14 @@ def test_lora_from_the_flags() -> None:
 def test_the_rewards_section_round_trips_and_reaches_the_daemon(tmp_path: Path) -> None:
     path = tmp_path / "trainer.toml"
     path.write_text('[rewards]\nversion = "abc123"\nwait_for = { human = 600, reward_model = 30.5 }\n'
-                    'on_deadline = "skip"\n')
+                    'on_deadline = "skip"\nrank_ahead = false\n')
     s = TrainerSettings.load(path)
     again = tmp_path / "again.toml"
     again.write_text(s.to_toml())
     assert TrainerSettings.load(again) == s
     policy = s.trainer_config().rewards
-    assert (policy.version, policy.on_deadline) == ("abc123", "skip")
+    assert (policy.version, policy.on_deadline, policy.rank_ahead) == ("abc123", "skip", False)
+    assert TrainerSettings().trainer_config().rewards.rank_ahead  # on unless turned off
     assert dict(policy.wait_for) == {"human": 600, "reward_model": 30.5}
     assert TrainerSettings.load(path, {"rewards.version": "def"}).rewards.version == "def"
     path.write_text('[rewards]\nwait_for = { human = -1 }\n')

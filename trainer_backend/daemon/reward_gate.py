@@ -22,6 +22,12 @@ version to train on, which components to wait for, and the per-step hacking rate
   `rank_judge_unparseable` (answers that could not be read, retried or not), `reward_judge_s`
   (seconds spent scoring groups since the last step: the ready groups of a collect are ranked
   together, `rank_judge.concurrency` at a time, each within `rank_judge.deadline_s`).
+- Ranking ahead (`rank_ahead`, on by default): a thread of the daemon (`RankAhead`) ranks the
+  oldest ready groups while the trainer trains, so a collect finds them ranked and the judge is off
+  the step's critical path. A group is ranked once, by whichever thread claims it first; a collect
+  that meets a group whose ranking is under way leaves it in the pool for the next collect. Per
+  step: `reward_judge_ahead_s` (seconds the thread spent ranking since the last step) and
+  `rank_judge_ahead_groups` (groups it ranked); `reward_judge_s` is then what a collect waited.
 - Without `config`, a rollout whose ranking is pending under a configuration (a
   `reward_pending` reward: scored as it ended, e.g. by wrap() or the gateway) cannot be ranked
   here: its group is held (not skipped as `no_reward`, which would consume it), one warning and
@@ -34,9 +40,10 @@ version to train on, which components to wait for, and the per-step hacking rate
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -59,6 +66,7 @@ class RewardPolicy:
     wait_for: Mapping[str, float] = field(default_factory=dict)
     on_deadline: str = "train_without"
     config: RewardConfig | str | Path | None = None  # scores ready groups (its ranking judge) before training
+    rank_ahead: bool = True  # a ranking judge ranks the oldest ready groups in a thread while the trainer trains
 
     def __post_init__(self) -> None:
         if self.on_deadline not in ON_DEADLINE:
@@ -92,6 +100,12 @@ class RewardGate:
         self._waiting: set[str] = set()
         self._held: dict[str, tuple[str, ...]] = {}  # rollout id -> (config hash, components pending here)
         self._warned: set[str] = set()  # configuration hashes whose pending rankings were reported
+        # Ranking ahead (RankAhead's thread) and a collect may meet the same group: the one that
+        # adds its members here first ranks it. The lock also guards the judge's counters.
+        self._lock = threading.Lock()
+        self._ranking_now: set[str] = set()
+        self._ahead_s = 0.0
+        self._ahead_groups = 0
 
     def _counts(self, r: Reward) -> bool:
         """Whether a stored reward is of the version trained on (a person's or the agent's always are)."""
@@ -103,6 +117,46 @@ class RewardGate:
         judge, so reviewing every ready group costs no judge time)."""
         judge = self.scorer.config.rank_judge if self.scorer is not None else None
         return judge.concurrency if judge is not None else None
+
+    @property
+    def ranks_groups(self) -> bool:
+        """Whether this gate's configuration has a ranking judge (it scores whole groups)."""
+        return self.scorer is not None and self.scorer.config.rank_judge is not None
+
+    def rank_ahead(self, groups: Sequence[Sequence[Rollout]]) -> int:
+        """Rank those of `groups` that lack the configuration's scoring and that no other thread is
+        ranking (RankAhead's thread calls this); the number ranked."""
+        if self.scorer is None or not groups:
+            return 0
+        stored: dict[str, Sequence[Reward]] = dict(self.store.rewards_for([r.id for g in groups for r in g]))
+        mine, _busy, stored = self._claim_unscored(groups, stored)
+        if mine:
+            try:
+                self._rank(mine, stored, ahead=True)
+            finally:
+                self._release(mine)
+        return len(mine)
+
+    def _claim_unscored(self, groups: Sequence[Sequence[Rollout]], stored: dict[str, Sequence[Reward]]
+                        ) -> tuple[list[Sequence[Rollout]], list[Sequence[Rollout]], dict[str, Sequence[Reward]]]:
+        """(groups this thread now ranks, groups another thread is ranking, stored rewards updated).
+        The claimed groups' rewards are read again after the claim: a ranking another thread
+        finished in between has stored them, so no group is ranked twice."""
+        with self._lock:
+            unscored = [g for g in groups if self._unscored(g, stored)]
+            busy = [g for g in unscored if any(r.id in self._ranking_now for r in g)]
+            mine = [g for g in unscored if not any(r.id in self._ranking_now for r in g)]
+            self._ranking_now.update(r.id for g in mine for r in g)
+        if mine:
+            stored = {**stored, **self.store.rewards_for([r.id for g in mine for r in g])}
+            done = [g for g in mine if not self._unscored(g, stored)]
+            self._release(done)
+            mine = [g for g in mine if self._unscored(g, stored)]
+        return mine, busy, stored
+
+    def _release(self, groups: Sequence[Sequence[Rollout]]) -> None:
+        with self._lock:
+            self._ranking_now.difference_update(r.id for g in groups for r in g)
 
     def review(self, members: Sequence[Rollout], now: float | None = None) -> list[Rollout] | None:
         """`review_groups` of one group."""
@@ -120,13 +174,18 @@ class RewardGate:
         late = [None if self._held_for_ranking(g, stored) else self._deadlines(g, stored, calls, now) for g in groups]
         if self._held:
             self._report_held()
-        unscored = [g for g, lt in zip(groups, late) if lt is not None and self._unscored(g, stored)]
         fresh: dict[str, Rollout] = {}
-        if unscored:
-            fresh, stored = self._rank(unscored, stored)
+        busy: list[Sequence[Rollout]] = []
+        if self.scorer is not None:
+            mine, busy, stored = self._claim_unscored([g for g, lt in zip(groups, late) if lt is not None], stored)
+            if mine:
+                try:
+                    fresh, stored = self._rank(mine, stored)
+                finally:
+                    self._release(mine)
         out: list[list[Rollout] | None] = []
         for members, late_by_id in zip(groups, late):
-            if late_by_id is None:
+            if late_by_id is None or any(members is g for g in busy):  # waits (for a ranking under way)
                 out.append(None)
             elif not self.policy.reads_rewards:
                 out.append(list(members))
@@ -210,17 +269,22 @@ class RewardGate:
         return r
 
     def _unscored(self, members: Sequence[Rollout], stored: Mapping[str, Sequence[Reward]]) -> bool:
-        """A member has neither a final reward of the configuration nor its ranking judge's value."""
+        """A member has neither a final reward of the configuration, nor its ranking judge's value,
+        nor the judge's error (a ranking that failed is not asked again: its rollouts are skipped)."""
         if self.scorer is None:
             return False
         h = self.scorer.hash
-        return any(not any(x.config_hash == h and x.name in (RANK_JUDGE, FINAL) for x in stored.get(r.id, []))
-                   for r in members)
 
-    def _rank(self, groups: Sequence[Sequence[Rollout]], stored: Mapping[str, Sequence[Reward]]
-              ) -> tuple[dict[str, Rollout], dict[str, Sequence[Reward]]]:
+        def scored(x: Reward) -> bool:
+            return x.config_hash == h and (x.name in (RANK_JUDGE, FINAL)
+                                           or (x.name == ERRORS and RANK_JUDGE in (x.metadata or {}).get("errors", {})))
+
+        return any(not any(scored(x) for x in stored.get(r.id, [])) for r in members)
+
+    def _rank(self, groups: Sequence[Sequence[Rollout]], stored: Mapping[str, Sequence[Reward]], *,
+              ahead: bool = False) -> tuple[dict[str, Rollout], dict[str, Sequence[Reward]]]:
         """Score the groups under the configuration (a ranking judge ranks each once, the groups
-        concurrently); the members and their rewards as stored now."""
+        concurrently); the members and their rewards as stored now. `ahead`: on RankAhead's thread."""
         assert self.scorer is not None
         t0 = time.perf_counter()
         trajectories = [load_trajectories(self.store, g) for g in groups]
@@ -228,11 +292,17 @@ class RewardGate:
             for t, one in zip(group, scored):
                 self.scorer.store_scored(self.store, t, apply="unconsumed", scored=one)
             if ranking is not None:
-                self._ranking.update(groups=bool(ranking.values), failed=ranking.error is not None,
-                                     groups_of_one=ranking.note is not None, unparseable=ranking.unparseable)
+                with self._lock:
+                    self._ranking.update(groups=bool(ranking.values), failed=ranking.error is not None,
+                                         groups_of_one=ranking.note is not None, unparseable=ranking.unparseable)
                 if ranking.error is not None:
                     self.reasons.update({r.id: "rank_judge_failed" for r in members})
-        self._judge_s += time.perf_counter() - t0
+        with self._lock:
+            if ahead:
+                self._ahead_s += time.perf_counter() - t0
+                self._ahead_groups += len(groups)
+            else:
+                self._judge_s += time.perf_counter() - t0
         ids = [r.id for g in groups for r in g]
         fresh = {r.id: self.store.get_rollout(r.id) or r for g in groups for r in g}
         return fresh, {**stored, **self.store.rewards_for(ids)}
@@ -272,16 +342,48 @@ class RewardGate:
         if self._warned:  # rollouts held for a ranking this trainer cannot do (zero once recovered)
             pending = Counter(n for _h, *names in self._held.values() for n in names)
             out.update({f"rewards_pending_{n}": float(pending[n]) for n in sorted(set(pending) | {RANK_JUDGE})})
-        if self.scorer is not None:
-            out["reward_judge_s"] = self._judge_s
-            self._judge_s = 0.0
-        if self.scorer is not None and self.scorer.config.rank_judge is not None:
-            out.update({f"rank_judge_{k}": float(self._ranking[k])
-                        for k in ("groups", "failed", "groups_of_one", "unparseable")})
-            self._ranking.clear()
+        with self._lock:
+            if self.scorer is not None:
+                out["reward_judge_s"] = self._judge_s
+                self._judge_s = 0.0
+            if self.ranks_groups:
+                out.update({f"rank_judge_{k}": float(self._ranking[k])
+                            for k in ("groups", "failed", "groups_of_one", "unparseable")})
+                self._ranking.clear()
+                if self.policy.rank_ahead:
+                    out["reward_judge_ahead_s"] = self._ahead_s
+                    out["rank_judge_ahead_groups"] = float(self._ahead_groups)
+                    self._ahead_s, self._ahead_groups = 0.0, 0
         for r in rollouts:
             self.reasons.pop(r.id, None)
         return out
+
+
+class RankAhead:
+    """A thread that keeps the oldest ready groups ranked while the trainer trains: every
+    `interval_s` (at once after a round that ranked something) it asks `ready()` for the ready
+    groups, oldest first, and has the gate rank the first `groups` of them that lack a ranking."""
+
+    def __init__(self, gate: RewardGate, ready: Callable[[], list[list[Rollout]]], groups: int,
+                 interval_s: float, name: str = "rank-ahead") -> None:
+        self.gate, self.ready, self.groups, self.interval_s = gate, ready, groups, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self._thread.start()
+
+    def _run(self) -> None:
+        ranked = 0
+        while not self._stop.wait(0 if ranked else self.interval_s):
+            try:
+                ranked = self.gate.rank_ahead(self.ready()[: self.groups])
+            except Exception:  # the store or the judge failed: the collect ranks what is left itself
+                log.exception("ranking ahead failed; retrying in %.1f s", self.interval_s)
+                ranked = 0
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop after the round under way (a judge call is bounded by its deadline)."""
+        self._stop.set()
+        self._thread.join(timeout=timeout_s)
 
 
 def _arrived(name: str, rewards: Sequence[Reward], calls: Sequence[LLMCall]) -> bool:

@@ -172,6 +172,7 @@ class RewardSettings(_Section):
     config: str | None = None
     wait_for: dict[str, float] = Field(default_factory=dict)  # component -> seconds after the rollout ended
     on_deadline: Literal["train_without", "skip"] = "train_without"
+    rank_ahead: bool = True  # the configuration's ranking judge ranks ready groups while the trainer trains
 
     @field_validator("wait_for")
     @classmethod
@@ -319,7 +320,8 @@ class TrainerSettings(_Section):
                                 grad_spike=m.grad_spike, prefix_break_limit=m.prefix_break_limit,
                                 retokenize_limit=m.retokenize_limit),
             eval=policy, rewards=RewardPolicy(version=self.rewards.version, wait_for=dict(self.rewards.wait_for),
-                                              on_deadline=self.rewards.on_deadline, config=self.rewards.config))
+                                              on_deadline=self.rewards.on_deadline, config=self.rewards.config,
+                                              rank_ahead=self.rewards.rank_ahead))
 
 
 def _toml_value(value: Any) -> str:

@@ -47,7 +47,7 @@ from lightning_middleware.store import LeaseLost, StoreError, get_store
 from trainer_backend.daemon.config import Batch, StepResult, TrainerConfig
 from trainer_backend.daemon.drift import DriftWatch
 from trainer_backend.daemon.monitoring import HealthChecks
-from trainer_backend.daemon.reward_gate import RewardGate
+from trainer_backend.daemon.reward_gate import RankAhead, RewardGate
 from trainer_backend.daemon.validation import PeriodicEvaluation, protected_checkpoints
 from trainer_backend.engines.base import Engine, Publisher, RoutesRows
 
@@ -89,6 +89,10 @@ class TrainerDaemon:
         if released:
             log.warning("released %d rollouts claimed by an earlier run of %s that did not commit",
                         released, config.trainer_id)
+        # A ranking judge ranks the next two steps' groups while this one trains (reward_gate.py).
+        self._rank_ahead = (RankAhead(self.rewards, self._ready_groups, 2 * config.group.groups_per_step,
+                                      config.poll_interval_s, name=f"rank-ahead-{config.trainer_id}")
+                            if self.rewards.ranks_groups and config.rewards.rank_ahead else None)
 
     # -- lifecycle -----------------------------------------------------------
     @staticmethod
@@ -115,6 +119,8 @@ class TrainerDaemon:
         """Stop, and hand the trainer id back so another daemon of that id may start at once."""
         self._stop.set()
         self._closed.set()
+        if self._rank_ahead is not None:
+            self._rank_ahead.close()
         self._heartbeat.join(timeout=5)
         if self.evaluation is not None:
             self.evaluation.close()
