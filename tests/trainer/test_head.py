@@ -157,8 +157,9 @@ def rows_with_edges() -> list[Row]:
 
 
 def sgd_step(model_dir, rows, **config):
-    """One step with SGD lr 1 (each weight moves by exactly -grad) and the step's metrics."""
-    loss = LossConfig(entropy_coef=0.01, dual_clip_c=3.0)
+    """One step with SGD lr 1 (each weight moves by exactly -grad): metrics, log-probs before it,
+    each weight's move. `loss` (in `config`): the LossConfig, entropy on and a dual clip by default."""
+    loss = config.pop("loss", LossConfig(entropy_coef=0.01, dual_clip_c=3.0))
     torch.manual_seed(0)  # LoRA's A is initialised at random
     eng = TorchEngine(model_dir, TorchEngineConfig(precision="fp32", grad_clip=None, loss=loss, **config))
     eng.optimizer = torch.optim.SGD(eng.master, lr=1.0)

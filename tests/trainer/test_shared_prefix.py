@@ -15,6 +15,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from lightning_middleware.rows import Row  # noqa: E402
+from tests.trainer.test_head import sgd_step  # noqa: E402
 from tests.trainer.tiny_models import save_tiny_qwen2  # noqa: E402
 from trainer_backend.algorithms.losses import LossConfig  # noqa: E402
 from trainer_backend.engines.batching import (  # noqa: E402
@@ -25,7 +26,7 @@ from trainer_backend.engines.batching import (  # noqa: E402
     split_micro_batches,
 )
 from trainer_backend.engines.lora import AdapterConfig  # noqa: E402
-from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig, decode_shared_prefixes  # noqa: E402
+from trainer_backend.engines.torch_engine import decode_shared_prefixes  # noqa: E402
 
 VOCAB = 96
 
@@ -157,18 +158,6 @@ def grouped_rows() -> list[Row]:
                         temperature=None if temp is None else (temp,) * n,
                         top_k=None if top_k is None else (top_k,) * n))
     return rows
-
-
-def sgd_step(model_dir, rows, **config):
-    """One step with SGD lr 1 (each weight moves by exactly -grad): metrics, log-probs, moves."""
-    loss = config.pop("loss", LossConfig(entropy_coef=0.01, dual_clip_c=3.0))
-    torch.manual_seed(0)
-    eng = TorchEngine(model_dir, TorchEngineConfig(precision="fp32", grad_clip=None, loss=loss, **config))
-    eng.optimizer = torch.optim.SGD(eng.master, lr=1.0)
-    before = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
-    logprobs = eng.token_logprobs(rows)
-    metrics = eng.step(rows)
-    return metrics, logprobs, {k: before[k] - v for k, v in eng.model.state_dict().items()}
 
 
 def assert_same_step(a, b, *, keys=("loss", "pg_loss", "entropy", "grad_norm", "approx_kl", "clip_frac")):
