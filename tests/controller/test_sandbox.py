@@ -129,8 +129,17 @@ def test_every_attack_fails_and_ends_its_rollout_with_its_class(setup: Setup, ll
     tasks = [{"attack": name, **extra, "task_id": name} for name, (extra, _, _) in attacks.items()]
     retry = RetryPolicy(max_attempts=3, retry_on=("ConnectionError", "OSError", "MemoryError", "TimeoutError",
                                                   "httpx.HTTPError"))
+    # The deadline that ends `overrun` must not end the other attacks first on a loaded machine
+    # (a fork bomb timed out at a fixed 8 s while the whole suite ran beside it): it is scaled
+    # from a harmless sandboxed rollout timed here, in the same run.
     t0 = time.monotonic()
-    with RolloutController(ATTACKER, store=setup.store, backend=backend, concurrency=2, timeout_s=8.0,
+    with RolloutController(ATTACKER, store=setup.store, backend=backend, concurrency=1, timeout_s=60.0) as c:
+        [baseline] = c.run([{"attack": "read_secret", "var": "LIGHTNING_TEST_ALLOWED", "task_id": "baseline"}], n=1)
+    assert baseline.status == "succeeded", baseline.error
+    deadline = max(8.0, 4 * (time.monotonic() - t0))
+    print(f"baseline rollout {time.monotonic() - t0:.1f} s: deadline {deadline:.1f} s")
+    t0 = time.monotonic()
+    with RolloutController(ATTACKER, store=setup.store, backend=backend, concurrency=2, timeout_s=deadline,
                            retry=retry) as c:
         results = {r.task_id: r for r in c.run(tasks, n=1)}
     elapsed = time.monotonic() - t0
@@ -150,7 +159,7 @@ def test_every_attack_fails_and_ends_its_rollout_with_its_class(setup: Setup, ll
     assert [e.data["rollout_id"] for e in refused] == [results["self_reward"].rollout_id]
     everything = repr([setup.store.get_rollout(r.rollout_id) for r in results.values()])
     assert SECRET not in everything and "hunter2" not in everything
-    assert elapsed < 120, elapsed
+    assert elapsed < 15 * deadline, (elapsed, deadline)  # 120 s at the unloaded 8 s
 
 
 def test_a_missing_sandbox_tool_is_one_line_naming_the_package(monkeypatch) -> None:
