@@ -56,6 +56,8 @@ def test_file_then_flags(tmp_path: Path) -> None:
     assert (eng.lr, eng.lr_schedule, eng.total_steps, eng.loss.kl_coef, eng.loss.dual_clip_c) == (
         1e-5, "cosine", 100, 0.02, None)
     assert TrainerSettings.load(None, {}).run.engine == "torch"
+    assert eng.share_prefixes and not TrainerSettings.load(None, {"engine.share_prefixes": False}).engine_config(
+        ).share_prefixes
 
 
 def test_eval_and_stale_flags_reach_the_daemon_config(tmp_path: Path) -> None:

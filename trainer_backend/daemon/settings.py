@@ -139,6 +139,7 @@ class EngineSettings(_Section):
     gradient_checkpointing: bool = False
     compile: bool = False
     freeze_embeddings: bool = False
+    share_prefixes: bool = True  # decode a prefix that rows of a step share once (engines/batching.py)
 
 
 class EvalSettings(_Section):
@@ -294,7 +295,8 @@ class TrainerSettings(_Section):
             lr=o.lr, adam_eps=o.adam_eps, weight_decay=o.weight_decay, grad_clip=o.max_grad_norm,
             loss=self.loss_config(), micro_batch_tokens=e.micro_batch_tokens, freeze_embeddings=e.freeze_embeddings,
             precision=e.precision, gradient_checkpointing=e.gradient_checkpointing, compile=e.compile,
-            reference_dir=self.run.model, lr_schedule=o.lr_schedule, warmup_steps=o.warmup_steps,
+            share_prefixes=e.share_prefixes, reference_dir=self.run.model, lr_schedule=o.lr_schedule,
+            warmup_steps=o.warmup_steps,
             total_steps=o.total_steps or self.run.max_steps, min_lr_ratio=o.min_lr_ratio)
 
     def trainer_config(self) -> Any:
