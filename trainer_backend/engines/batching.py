@@ -55,7 +55,8 @@ class SharedPrefix:
 @dataclass(frozen=True)
 class Plan:
     """One micro-batch to build: row indices of the step, their shared prefixes (in row indices of
-    the step), and the tokens the decoder computes for it (the activation-budget measure)."""
+    the step), and its cost against the budget: the tokens the decoder computes for it, plus
+    CALL_COST per shared prefix."""
 
     index: tuple[int, ...]
     shared: tuple[SharedPrefix, ...] = ()
