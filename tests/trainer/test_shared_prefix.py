@@ -20,6 +20,7 @@ from tests.trainer.tiny_models import save_tiny_qwen2  # noqa: E402
 from trainer_backend.algorithms.losses import LossConfig  # noqa: E402
 from trainer_backend.engines.batching import (  # noqa: E402
     CALL_COST,
+    Plan,
     common_prefix,
     make_micro_batch,
     plan_micro_batches,
@@ -113,8 +114,8 @@ def test_any_plan_covers_each_row_once_and_its_groups_truly_share(rows, budget, 
             assert len(p.index) == 1
         assert p.tokens >= sum(g.length for g in p.shared)
     assert plan_micro_batches(rows, budget, share=False) == [
-        type(plans[0])(tuple(ix), (), len(ix) * max(len(rows[i]) for i in ix))
-        for ix in split_micro_batches([len(r) for r in rows], budget)] if rows else True
+        Plan(tuple(ix), (), len(ix) * max(len(rows[i]) for i in ix))
+        for ix in split_micro_batches([len(r) for r in rows], budget)]
 
 
 # ---------------------------------------------------------------- through the engine

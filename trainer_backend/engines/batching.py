@@ -84,6 +84,21 @@ def split_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[in
     return batches
 
 
+def run_tokens(shared: int, lengths: Sequence[int]) -> int:
+    """What the decoder computes for rows of `lengths` whose first `shared` tokens are equal: those
+    once, and each row's own tokens padded to the longest row (shared = 0: a plain padded batch)."""
+    return shared + len(lengths) * (max(lengths, default=shared) - shared)
+
+
+def decoded_tokens(mb: MicroBatch) -> int:
+    """The tokens the decoder computes for `mb`: each shared prefix's run, and its lone rows as one
+    padded batch (the step's `decoded_tokens` metric; `padded_tokens` is the same without sharing)."""
+    lengths = mb.attention_mask.sum(-1).tolist()
+    in_groups = {b for g in mb.shared for b in g.rows}
+    lone = [n for b, n in enumerate(lengths) if b not in in_groups]
+    return sum(run_tokens(g.length, [lengths[b] for b in g.rows]) for g in mb.shared) + run_tokens(0, lone)
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens `a` and `b` have in common."""
     n = min(len(a), len(b))
@@ -106,7 +121,7 @@ def plan_micro_batches(seqs: Sequence[Sequence[int]], max_tokens: int, *, share:
     the share=False split."""
     n = len(seqs)
     if not share or n < 2:
-        return [Plan(tuple(ix), (), len(ix) * max((len(seqs[i]) for i in ix), default=0))
+        return [Plan(tuple(ix), (), run_tokens(0, [len(seqs[i]) for i in ix]))
                 for ix in split_micro_batches([len(s) for s in seqs], max_tokens)]
     order = sorted(range(n), key=lambda i: tuple(seqs[i]))
     lcp = [common_prefix(seqs[order[k]], seqs[order[k + 1]]) for k in range(n - 1)]
@@ -151,11 +166,10 @@ def _pack(runs: list[tuple[list[int], int]], lengths: Sequence[int], max_tokens:
     shared_cost = 0
 
     def cost(extra_lone: list[int], extra_shared: int) -> int:
-        alone = lone + extra_lone
-        return shared_cost + extra_shared + len(alone) * max((lengths[i] for i in alone), default=0)
+        return shared_cost + extra_shared + run_tokens(0, [lengths[i] for i in lone + extra_lone])
 
     for rows, p in runs:
-        add = p + len(rows) * (max(lengths[r] for r in rows) - p) + call_cost if p else 0
+        add = run_tokens(p, [lengths[r] for r in rows]) + call_cost if p else 0
         if index and cost([] if p else rows, add) > max_tokens:
             plans.append(Plan(tuple(index), tuple(shared), cost([], 0)))
             index, shared, lone, shared_cost = [], [], [], 0

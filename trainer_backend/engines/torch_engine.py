@@ -41,6 +41,7 @@ from trainer_backend.engines import lora, model_advantages
 from trainer_backend.engines.batching import (
     MicroBatch,
     SharedPrefix,
+    decoded_tokens,
     make_micro_batch,
     plan_micro_batches,
     token_budget,
@@ -458,16 +459,6 @@ class TorchEngine:
                 shutil.copy2(src, out / name)
         log.info("saved policy version %d to %s", self.policy_version, out)
         return out
-
-
-def decoded_tokens(mb: MicroBatch) -> int:
-    """The tokens the decoder computes for `mb`: each shared prefix once, each row's own tokens, and
-    the lone rows padded to the longest of them."""
-    lengths = mb.attention_mask.sum(-1).tolist()
-    in_groups = {b for g in mb.shared for b in g.rows}
-    lone = [n for b, n in enumerate(lengths) if b not in in_groups]
-    return (sum(g.length + len(g.rows) * (max(lengths[b] for b in g.rows) - g.length) for g in mb.shared)
-            + len(lone) * max(lone, default=0))
 
 
 def decode_shared_prefixes(decoder: Any, ids: torch.Tensor, attn: torch.Tensor,
