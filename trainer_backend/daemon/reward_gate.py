@@ -129,30 +129,32 @@ class RewardGate:
         if self.scorer is None or not groups:
             return 0
         stored: dict[str, Sequence[Reward]] = dict(self.store.rewards_for([r.id for g in groups for r in g]))
-        mine, _busy, stored = self._claim_unscored(groups, stored)
-        if mine:
-            try:
-                self._rank(mine, stored, ahead=True)
-            finally:
-                self._release(mine)
-        return len(mine)
+        return self._rank_unscored(groups, stored, ahead=True)[0]
 
-    def _claim_unscored(self, groups: Sequence[Sequence[Rollout]], stored: dict[str, Sequence[Reward]]
-                        ) -> tuple[list[Sequence[Rollout]], list[Sequence[Rollout]], dict[str, Sequence[Reward]]]:
-        """(groups this thread now ranks, groups another thread is ranking, stored rewards updated).
-        The claimed groups' rewards are read again after the claim: a ranking another thread
-        finished in between has stored them, so no group is ranked twice."""
+    def _rank_unscored(self, groups: Sequence[Sequence[Rollout]], stored: dict[str, Sequence[Reward]], *,
+                       ahead: bool = False) -> tuple[int, list[Sequence[Rollout]], dict[str, Rollout],
+                                                     dict[str, Sequence[Reward]]]:
+        """Rank the groups that lack the configuration's scoring and that no other thread is ranking:
+        (groups ranked, groups another thread is ranking, the ranked members as stored now, `stored`
+        updated). A group is claimed (its members in `_ranking_now`) before the judge is asked, and
+        its rewards are read again after the claim: a ranking another thread finished in between
+        has stored them, so no group is ranked twice."""
         with self._lock:
             unscored = [g for g in groups if self._unscored(g, stored)]
             busy = [g for g in unscored if any(r.id in self._ranking_now for r in g)]
-            mine = [g for g in unscored if not any(r.id in self._ranking_now for r in g)]
+            mine = [g for g in unscored if not any(g is b for b in busy)]
             self._ranking_now.update(r.id for g in mine for r in g)
-        if mine:
-            stored = {**stored, **self.store.rewards_for([r.id for g in mine for r in g])}
-            done = [g for g in mine if not self._unscored(g, stored)]
-            self._release(done)
-            mine = [g for g in mine if self._unscored(g, stored)]
-        return mine, busy, stored
+        fresh: dict[str, Rollout] = {}
+        todo: list[Sequence[Rollout]] = []
+        try:
+            if mine:
+                stored = {**stored, **self.store.rewards_for([r.id for g in mine for r in g])}
+                todo = [g for g in mine if self._unscored(g, stored)]
+            if todo:
+                fresh, stored = self._rank(todo, stored, ahead=ahead)
+        finally:
+            self._release(mine)
+        return len(todo), busy, fresh, stored
 
     def _release(self, groups: Sequence[Sequence[Rollout]]) -> None:
         with self._lock:
@@ -177,12 +179,7 @@ class RewardGate:
         fresh: dict[str, Rollout] = {}
         busy: list[Sequence[Rollout]] = []
         if self.scorer is not None:
-            mine, busy, stored = self._claim_unscored([g for g, lt in zip(groups, late) if lt is not None], stored)
-            if mine:
-                try:
-                    fresh, stored = self._rank(mine, stored)
-                finally:
-                    self._release(mine)
+            _, busy, fresh, stored = self._rank_unscored([g for g, lt in zip(groups, late) if lt is not None], stored)
         out: list[list[Rollout] | None] = []
         for members, late_by_id in zip(groups, late):
             if late_by_id is None or any(members is g for g in busy):  # waits (for a ranking under way)
