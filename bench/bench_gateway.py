@@ -1,6 +1,7 @@
 """Gateway overhead: direct to the test LLM server vs through the gateway, in one run.
 
-    python bench/bench_gateway.py [--seq 200] [--conc 32] [--conc-requests 4000] [--max-seconds 20]
+    python bench/bench_gateway.py [--seq 200] [--conc 32[,256]] [--conc-requests 4000] [--max-seconds 20]
+                                  [--agl-python PYTHON]
 
 Starts the deterministic test server (`lightning_middleware.testing.llm_server`) and the
 gateway (`lightning-mw gateway`, SQLite store in a temp dir) as subprocesses on
@@ -18,6 +19,12 @@ the same work on both paths. Gateway calls go to per-rollout base URLs (one
 rollout per concurrent caller) with distinct bodies, so nothing is deduplicated:
 every call is forwarded, captured and written to the store. Each phase stops
 at its request count or `--max-seconds`, whichever comes first.
+
+With `--agl-python`, the reference implementation's gateway (agentlightning 1.0.2's server and
+its LLM proxy, started with its own entry point from that interpreter's environment) is one more
+target, called on its per-rollout proxy URLs in its `train` mode (which injects token IDs and
+logprobs, as ours does). It refuses streams (HTTP 400), so its stream rows say so.
+`bench/bench_gateway_vs_agl.py` builds that environment and runs this.
 """
 
 from __future__ import annotations
@@ -200,6 +207,44 @@ def _start_gateway(upstream: str, store_url: str, port: int, log_path: str) -> s
     raise TimeoutError("gateway did not start")
 
 
+AGL_MODEL = "m"
+
+
+def _start_agl(python: str, upstream: str, port: int, workdir: str, log_path: str) -> subprocess.Popen:
+    """The reference gateway as its users start it: its hydra entry point, its shipped defaults
+    (uvicorn's access log on, as `agentlightning.server.__main__` leaves it), no API key."""
+    proc = subprocess.Popen([python, "-m", "agentlightning.server", "host=127.0.0.1", f"port={port}", "key=",
+                             f"default_proxy.model_name={AGL_MODEL}", f"hydra.run.dir={workdir}",
+                             "hydra.output_subdir=null"],
+                            cwd=workdir, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(open(log_path).read()[-3000:])
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                httpx.post(url + "/api/models", json=[{"model": AGL_MODEL, "endpoint": upstream}]).raise_for_status()
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise TimeoutError("agentlightning server did not start")
+
+
+def _agl_rollout_urls(url: str, n: int) -> list[str]:
+    rids = [f"bench-{uuid.uuid4().hex[:10]}" for _ in range(n)]
+    httpx.post(url + "/api/rollouts", json=[{"input": {"k": k}, "rollout_id": rid} for k, rid in enumerate(rids)],
+               timeout=30).raise_for_status()
+    return [f"{url}/proxy/rollout/{rid}/attempt/0/mode/train/openai/v1/chat/completions" for rid in rids]
+
+
+def _refuses_streams(url: str) -> int | None:
+    """The HTTP status a target answers a stream request with, when it refuses it (else None)."""
+    r = httpx.post(url, json=_body(-1, True, False), timeout=30)
+    return r.status_code if r.status_code != 200 else None
+
+
 def _rollout_urls(gw_url: str, n: int) -> tuple[list[str], list[str]]:
     rids = []
     for k in range(n):
@@ -209,13 +254,58 @@ def _rollout_urls(gw_url: str, n: int) -> tuple[list[str], list[str]]:
     return rids, [f"{gw_url}/rollouts/{rid}/v1/chat/completions" for rid in rids]
 
 
+def _print_table(args: argparse.Namespace, names: list[str], concs: list[int], results: dict, cpu: dict,
+                 refused: dict[str, int]) -> None:
+    header = f"{'mode':10s} {'metric':26s}" + "".join(f" {n:>10s}" for n in names) + "".join(
+        f" {'added ' + n:>14s}" for n in names[1:])
+    print(header)
+    print("-" * len(header))
+
+    def cells(stream: bool, phase: str, key: str) -> list[float | None]:
+        return [None if (n, stream, phase) not in results else results[(n, stream, phase)][key] for n in names]
+
+    def fmt(v: float | None, spec: str, width: int) -> str:
+        return f" {'refused' if v is None else format(v, spec):>{width}s}"
+
+    for stream in (False, True):
+        mode = "stream" if stream else "non-stream"
+        rows = [("p50 ms, sequential", "seq", "p50"), ("p99 ms, sequential", "seq", "p99")]
+        for c in concs:
+            rows += [(f"p50 ms, {c} concurrent", f"conc{c}", "p50"), (f"p99 ms, {c} concurrent", f"conc{c}", "p99")]
+        for label, phase, key in rows:
+            vals = cells(stream, phase, key)
+            base = vals[0]
+            assert base is not None
+            print(f"{mode:10s} {label:26s}" + "".join(fmt(v, ".2f", 10) for v in vals)
+                  + "".join(fmt(None if v is None else v - base, "+.2f", 14) for v in vals[1:]))
+        for c in concs:
+            rps = cells(stream, f"conc{c}", "rps")
+            base = rps[0]
+            assert base is not None
+            print(f"{mode:10s} {f'req/s, {c} concurrent':26s}" + "".join(fmt(v, ".1f", 10) for v in rps)
+                  + "".join(fmt(None if v is None else v / base, ".2f", 13) + ("x" if v is not None else " ")
+                            for v in rps[1:]))
+            per = [cpu.get((n, stream, c), (None, None)) for n in names]
+            label = f"CPU ms/call, engine ({c})"
+            print(f"{mode:10s} {label:26s}" + "".join(fmt(p[0], ".2f", 10) for p in per))
+            label = f"CPU ms/call, gw ({c})"
+            print(f"{mode:10s} {label:26s} {'':>10s}" + "".join(fmt(p[1], ".2f", 10) for p in per[1:]))
+    for stream in (False, True):
+        floor = results[("floor", stream, "seq")]["p50"]
+        print(f"{'stream' if stream else 'non-stream':10s} sequential p50 over the floor (the gateway's own work): "
+              + ", ".join(f"{n} {results[(n, stream, 'seq')]['p50'] - floor:+.2f} ms" for n in names[2:]
+                          if (n, stream, "seq") in results))
+    for name, status in refused.items():
+        print(f"{name} refuses stream requests: HTTP {status}")
+
+
 def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "--passthrough-server":  # the floor proxy's own process
         _passthrough_server(sys.argv[2], int(sys.argv[3]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=200, help="sequential calls per phase")
-    ap.add_argument("--conc", type=int, default=32, help="concurrent callers")
+    ap.add_argument("--conc", default="32", help="concurrent callers; several, comma-separated, one phase each")
     ap.add_argument("--conc-requests", type=int, default=4000, help="calls per concurrent phase")
     ap.add_argument("--max-seconds", type=float, default=20.0, help="time cap per phase")
     ap.add_argument("--engine-ms", type=float, default=0.0,
@@ -225,60 +315,77 @@ def main() -> int:
                     help="CPU the test server computes per completion, one at a time (an engine that fills a "
                          "core and competes with the gateway for the machine; 10 = at most ~100 req/s, the "
                          "reference anchor's direct rate)")
+    ap.add_argument("--agl-python", default=None,
+                    help="a Python with agentlightning installed: its gateway becomes one more target")
     args = ap.parse_args()
+    concs = [int(c) for c in str(args.conc).split(",")]
 
     tmp = tempfile.mkdtemp(prefix="bench_gw_")
     store_url = f"sqlite:///{tmp}/traces.db"
-    names = ["direct", "floor", "gateway"]
+    names = ["direct", "floor", "gateway"] + (["agl"] if args.agl_python else [])
     results: dict[tuple[str, bool, str], dict] = {}
-    cpu: dict[tuple[str, bool], tuple] = {}
+    cpu: dict[tuple[str, bool, int], tuple] = {}
+    refused: dict[str, int] = {}
     all_rids: list[str] = []
     states = {}
     with LLMTestServer(latency_ms=args.engine_ms, cpu_ms=args.engine_cpu_ms) as server:
-        gws: dict[str, tuple[subprocess.Popen, str]] = {}
+        procs: dict[str, subprocess.Popen] = {}
         try:
             port = free_port()
-            gws["gateway"] = (_start_gateway(server.base_url, store_url, port, os.path.join(tmp, "gateway.log")),
-                              f"http://127.0.0.1:{port}")
+            procs["gateway"] = _start_gateway(server.base_url, store_url, port, os.path.join(tmp, "gateway.log"))
+            gw_url = f"http://127.0.0.1:{port}"
             floor_port = free_port()
-            gws["floor"] = (_start_passthrough(server.base_url, floor_port, os.path.join(tmp, "floor.log")),
-                            f"http://127.0.0.1:{floor_port}")
+            procs["floor"] = _start_passthrough(server.base_url, floor_port, os.path.join(tmp, "floor.log"))
+            n_urls = max(concs)
+            rids, gw_urls = _rollout_urls(gw_url, n_urls)
+            all_rids += rids
             urls: dict[str, tuple[list[str], bool]] = {
                 "direct": ([server.base_url + "/chat/completions"], True),
                 # the floor forwards what it is sent, so it gets the direct body (token IDs asked for)
-                "floor": ([f"http://127.0.0.1:{floor_port}/v1/chat/completions"], True)}
-            for name, (_, gw_url) in gws.items():
-                if name == "floor":
-                    continue
-                rids, gw_urls = _rollout_urls(gw_url, args.conc)
-                all_rids += rids
-                urls[name] = (gw_urls, False)
+                "floor": ([f"http://127.0.0.1:{floor_port}/v1/chat/completions"], True),
+                "gateway": (gw_urls, False)}
+            if args.agl_python:
+                agl_port = free_port()
+                agl_dir = os.path.join(tmp, "agl")
+                os.makedirs(agl_dir)
+                procs["agl"] = _start_agl(args.agl_python, server.base_url, agl_port, agl_dir,
+                                          os.path.join(tmp, "agl.log"))
+                urls["agl"] = (_agl_rollout_urls(f"http://127.0.0.1:{agl_port}", n_urls), False)
+            for name in names:
+                status = _refuses_streams(urls[name][0][0])
+                if status is not None:
+                    refused[name] = status
             for stream in (False, True):
+                live = {n: u for n, u in urls.items() if not (stream and n in refused)}
                 print(f"... sequential, interleaved, {'stream' if stream else 'non-stream'}", file=sys.stderr,
                       flush=True)
-                seq = asyncio.run(_seq_interleaved(urls, stream, args.seq, args.max_seconds * len(names)))
-                for name in names:
+                seq = asyncio.run(_seq_interleaved(live, stream, args.seq, args.max_seconds * len(live)))
+                for name in live:
                     results[(name, stream, "seq")] = seq[name]
-                for name in names:
-                    print(f"... {name} {'stream' if stream else 'non-stream'}", file=sys.stderr, flush=True)
-                    gw_pid = gws[name][0].pid if name in gws else None
-                    cpu0 = (process_cpu_seconds(server.pid), gw_pid and process_cpu_seconds(gw_pid))  # type: ignore[arg-type]
-                    phase_urls, direct = urls[name]
-                    results[(name, stream, "conc")] = asyncio.run(
-                        _phase(phase_urls, stream, direct, args.conc, args.conc_requests, args.max_seconds))
-                    cpu1 = (process_cpu_seconds(server.pid), gw_pid and process_cpu_seconds(gw_pid))  # type: ignore[arg-type]
-                    n = results[(name, stream, "conc")]["n"] + args.conc  # CPU of the concurrent phase only
-                    cpu[(name, stream)] = tuple(
-                        None if not a or not b else (b - a) * 1000 / n for a, b in zip(cpu0, cpu1))
-            for name, (_, gw_url) in gws.items():
-                if name == "floor":
-                    continue
-                for rid_url in urls[name][0]:
-                    rid = rid_url.split("/rollouts/")[1].split("/")[0]
-                    httpx.post(gw_url + f"/rollouts/{rid}/finish", json={"reward": 1.0}, timeout=60).raise_for_status()
-                states[name] = httpx.get(gw_url + "/admin/state").json()["counters"]
+                for c in concs:
+                    for name in live:
+                        print(f"... {name} {'stream' if stream else 'non-stream'} {c} concurrent", file=sys.stderr,
+                              flush=True)
+                        pid = procs[name].pid if name in procs else None
+                        cpu0 = (process_cpu_seconds(server.pid), pid and process_cpu_seconds(pid))  # type: ignore[arg-type]
+                        phase_urls, direct = live[name]
+                        r = asyncio.run(_phase(phase_urls, stream, direct, c, args.conc_requests, args.max_seconds))
+                        results[(name, stream, f"conc{c}")] = r
+                        cpu1 = (process_cpu_seconds(server.pid), pid and process_cpu_seconds(pid))  # type: ignore[arg-type]
+                        n = r["n"] + c  # CPU of the concurrent phase only (the warm-up calls included)
+                        cpu[(name, stream, c)] = tuple(
+                            None if not a or not b else (b - a) * 1000 / n for a, b in zip(cpu0, cpu1))
+            for rid in rids:
+                httpx.post(gw_url + f"/rollouts/{rid}/finish", json={"reward": 1.0}, timeout=60).raise_for_status()
+            states["gateway"] = httpx.get(gw_url + "/admin/state").json()["counters"]
+            if "agl" in urls:  # what the reference recorded (in its memory: it has no durable store)
+                agl_url = f"http://127.0.0.1:{agl_port}"
+                states["agl"] = {"model_request events": sum(
+                    len(httpx.get(f"{agl_url}/api/rollouts/{u.split('/proxy/rollout/')[1].split('/')[0]}/events",
+                                  params={"event_type": "model_request"}, timeout=60).json())
+                    for u in urls["agl"][0])}
         finally:
-            for proc, _ in gws.values():
+            for proc in procs.values():
                 proc.terminate()
                 proc.wait(15)
 
@@ -294,35 +401,9 @@ def main() -> int:
     print(f"gateway benchmark: {os.cpu_count()} cores (load average {load:.1f}), loopback, Python "
           f"{sys.version.split()[0]}, SQLite store, engine {args.engine_ms:g} ms + {args.engine_cpu_ms:g} ms "
           f"CPU/completion; sequential n={args.seq}, "
-          f"{args.conc} concurrent n<={args.conc_requests}, cap {args.max_seconds:g}s/phase")
-    header = f"{'mode':10s} {'metric':26s}" + "".join(f" {n:>10s}" for n in names) + "".join(
-        f" {'added ' + n:>14s}" for n in names[1:])
-    print(header)
-    print("-" * len(header))
-    for stream in (False, True):
-        mode = "stream" if stream else "non-stream"
-        rows = [("p50 ms, sequential", "seq", "p50"), ("p99 ms, sequential", "seq", "p99"),
-                (f"p50 ms, {args.conc} concurrent", "conc", "p50"), (f"p99 ms, {args.conc} concurrent", "conc", "p99")]
-        for label, phase, key in rows:
-            vals = [results[(n, stream, phase)][key] for n in names]
-            print(f"{mode:10s} {label:26s}" + "".join(f" {v:10.2f}" for v in vals)
-                  + "".join(f" {v - vals[0]:+14.2f}" for v in vals[1:]))
-        rps = [results[(n, stream, "conc")]["rps"] for n in names]
-        print(f"{mode:10s} {'req/s, ' + str(args.conc) + ' concurrent':26s}" + "".join(f" {v:10.1f}" for v in rps)
-              + "".join(f" {v / rps[0]:13.2f}x" for v in rps[1:]))
-        engine_cpu = [cpu[(n, stream)][0] for n in names]
-        gw_cpu = [cpu[(n, stream)][1] for n in names]
-        if None not in engine_cpu:
-            print(f"{mode:10s} {'CPU ms/call, engine (conc)':26s}" + "".join(f" {v:10.2f}" for v in engine_cpu))
-        if None not in gw_cpu[1:]:
-            print(f"{mode:10s} {'CPU ms/call, gw (conc)':26s} {'':>10s}" + "".join(f" {v:10.2f}" for v in gw_cpu[1:]))
-        print(f"{mode:10s} {'calls measured (seq/conc)':26s}" + "".join(
-            f" {results[(n, stream, 'seq')]['n']:>4d}/{results[(n, stream, 'conc')]['n']:<5d}" for n in names))
-    for stream in (False, True):
-        floor = results[("floor", stream, "seq")]["p50"]
-        print(f"{'stream' if stream else 'non-stream':10s} sequential p50 over the floor (the gateway's own work): "
-              + ", ".join(f"{n} {results[(n, stream, 'seq')]['p50'] - floor:+.2f} ms" for n in names[2:]))
-    print(f"recorded llm_calls: {recorded} (training: {training}); gateway counters: {states}")
+          f"{'/'.join(map(str, concs))} concurrent n<={args.conc_requests}, cap {args.max_seconds:g}s/phase")
+    _print_table(args, names, concs, results, cpu, refused)
+    print(f"recorded llm_calls: {recorded} (training: {training}); counters: {states}")
     return 0
 
 
