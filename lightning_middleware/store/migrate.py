@@ -4,7 +4,9 @@ Only additive steps: the tables a version added come from `create_all`; the null
 added (`schema.ADDED_COLUMNS`) are added here with `ALTER TABLE ... ADD COLUMN`, which on both
 engines changes the table's definition without rewriting its rows, and its indexes
 (`schema.ADDED_INDEXES`) with `CREATE INDEX`. Two processes opening the same
-old store at once both try: the loser's "column exists" is taken as done.
+old store at once both try: the loser's "column exists" is taken as done. PostgreSQL's storage
+parameters (`schema.PG_STORAGE`) are set on every open where they differ: they change how new rows
+are stored, not the schema, so they need no version.
 """
 
 from __future__ import annotations
@@ -41,6 +43,29 @@ def upgrade(engine: sa.Engine, found: int) -> None:
                                                     S.schema_info.c.value == str(found))
                      .values(value=str(S.SCHEMA_VERSION)))
     log.info("trace store upgraded from schema version %d to %d", found, S.SCHEMA_VERSION)
+
+
+def apply_storage_parameters(engine: sa.Engine) -> None:
+    """Give PostgreSQL tables the storage parameters `schema.PG_STORAGE` names, where they differ.
+
+    They change how new rows are stored, never what is read, so a user who may not ALTER the table
+    gets a warning and a store that works as before."""
+    if engine.dialect.name != "postgresql":
+        return
+    for table, wanted in S.PG_STORAGE.items():
+        with engine.connect() as conn:
+            options = conn.execute(sa.text("SELECT reloptions FROM pg_class WHERE oid = to_regclass(:t)"),
+                                   {"t": table}).scalar() or []
+        have = dict(o.split("=", 1) for o in options)
+        if all(have.get(k) == str(v) for k, v in wanted.items()):
+            continue
+        settings = ", ".join(f"{k} = {int(v)}" for k, v in wanted.items())
+        try:
+            with engine.begin() as conn:
+                conn.exec_driver_sql(f"ALTER TABLE {engine.dialect.identifier_preparer.quote(table)} SET ({settings})")
+        except sa_exc.DBAPIError as exc:
+            reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
+            log.warning("could not set %s on %s (%s): the store works, ingestion is slower", settings, table, reason)
 
 
 def _has_column(engine: sa.Engine, table: str, column: str) -> bool:

@@ -31,6 +31,14 @@ ADDED_INDEXES: dict[int, tuple[str, ...]] = {
     3: ("ix_llm_calls_idempotency",),
 }
 
+# PostgreSQL storage parameters by table, set when a store is opened (migrate.apply_storage_parameters;
+# SQLAlchemy 2.0 has no table option for them). A span's row (~3.5 KB: packed token IDs, request and
+# response JSON) passes PostgreSQL's default TOAST threshold (~2 KB), so every insert tried pglz on its
+# columns (random token IDs don't compress) and moved them to the TOAST table with its own index:
+# half of the server's CPU per span. Up to 8,160 bytes a row now stays inline, uncompressed;
+# longer rows are TOASTed as before. docs/benchmarks.md, "Store ingestion", has the figures.
+PG_STORAGE: dict[str, dict[str, int]] = {"llm_calls": {"toast_tuple_target": 8160}}
+
 metadata = sa.MetaData()
 
 rollouts = sa.Table(

@@ -31,7 +31,7 @@ from lightning_middleware.store.connect import (
     normalise_url,
     sqlite_file,
 )
-from lightning_middleware.store.migrate import stored_version, upgrade
+from lightning_middleware.store.migrate import apply_storage_parameters, stored_version, upgrade
 from lightning_middleware.store.queries import StoreQueries
 from lightning_middleware.store.reward_ops import RewardOps, set_final_reward
 from lightning_middleware.store.training import TrainerOps
@@ -108,6 +108,7 @@ class TraceStore(StoreQueries, RewardOps, TrainerOps):
                 except sa_exc.IntegrityError:  # another process created it first
                     pass
         self._check_version()
+        apply_storage_parameters(self.engine)
 
     def _check_version(self) -> None:
         """Refuse a store newer than this package; bring an older one up to this version."""

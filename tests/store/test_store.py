@@ -257,6 +257,70 @@ def test_sqlite_is_in_wal_mode(tmp_path) -> None:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
 
 
+def _toast_bytes(store: TraceStore) -> int:
+    with store.engine.connect() as conn:
+        return int(conn.exec_driver_sql(
+            "SELECT pg_relation_size(reltoastrelid) FROM pg_class WHERE oid = 'llm_calls'::regclass").scalar())
+
+
+def _toast_target(store: TraceStore) -> str | None:
+    with store.engine.connect() as conn:
+        options = conn.exec_driver_sql("SELECT reloptions FROM pg_class WHERE oid = 'llm_calls'::regclass").scalar()
+    return dict(o.split("=", 1) for o in options or []).get("toast_tuple_target")
+
+
+@pytest.mark.postgres
+def test_postgres_keeps_a_span_row_inline_and_toasts_only_long_ones(pg_url: str) -> None:
+    """A span of a few KB stays in the table's row, uncompressed (the TOAST step cost half of the
+    server's ingestion CPU); a row past a page's worth is still TOASTed; both read back exactly."""
+    store = TraceStore(pg_url)
+    try:
+        assert _toast_target(store) == str(S.PG_STORAGE["llm_calls"]["toast_tuple_target"])
+        prompt = tuple(range(100_000, 100_700))  # 2.8 KB packed: past the default TOAST threshold
+        text = "Solve the task and report the answer. " * 30
+        store.record_call(_call("r1", 0, prompt_token_ids=prompt, request={"messages": [{"role": "user",
+                                                                                          "content": text}]}))
+        assert _toast_bytes(store) == 0
+        long_prompt = tuple(range(3000))  # 12 KB: more than a row may hold inline
+        store.record_call(_call("r1", 1, prompt_token_ids=long_prompt))
+        assert _toast_bytes(store) > 0
+        first, second = store.calls("r1")
+        assert first.prompt_token_ids == prompt and first.request["messages"][0]["content"] == text
+        assert second.prompt_token_ids == long_prompt
+    finally:
+        store.close()
+
+
+@pytest.mark.postgres
+def test_postgres_storage_parameters_are_restored_at_open_and_optional(pg_url: str, caplog) -> None:
+    store = TraceStore(pg_url)
+    with store.engine.begin() as conn:  # a store made before the parameter existed
+        conn.exec_driver_sql("ALTER TABLE llm_calls RESET (toast_tuple_target)")
+        conn.exec_driver_sql("CREATE ROLE lm_writer_only LOGIN")
+        conn.exec_driver_sql("GRANT ALL ON ALL TABLES IN SCHEMA public TO lm_writer_only")
+        conn.exec_driver_sql("GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO lm_writer_only")
+    assert _toast_target(store) is None
+    # A user who may write but not ALTER the table: a warning, and a store that works.
+    limited = TraceStore(sa.make_url(pg_url).set(username="lm_writer_only").render_as_string(hide_password=False))
+    try:
+        assert "could not set toast_tuple_target" in caplog.text
+        limited.record_call(_call("r2", 0))
+        assert [c.call_index for c in limited.calls("r2")] == [0]
+        assert _toast_target(limited) is None
+    finally:
+        limited.close()
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql("REVOKE ALL ON ALL TABLES IN SCHEMA public FROM lm_writer_only")
+            conn.exec_driver_sql("REVOKE ALL ON ALL SEQUENCES IN SCHEMA public FROM lm_writer_only")
+            conn.exec_driver_sql("DROP ROLE lm_writer_only")
+    store.close()
+    reopened = TraceStore(pg_url)  # its owner opens it again: the parameter is back
+    try:
+        assert _toast_target(reopened) == "8160"
+    finally:
+        reopened.close()
+
+
 def test_a_submitted_op_reaches_disk_without_a_flush(store_url: str) -> None:
     """The writer's promise: an op is on disk about `interval_s` after it was submitted, even if
     nobody calls flush() (a process killed later loses only the last interval)."""
