@@ -137,18 +137,26 @@ _LIMITS = {c.name: getattr(c.type, "length", None) for c in S.llm_calls.columns}
 def call_tuple(call: LLMCall) -> tuple[Any, ...]:
     """One llm_calls row in CALL_COLUMNS order, ready for the driver. Built as one tuple literal
     (the ingestion hot path: a dict of the columns, then reordered, cost ~1 us a span);
-    `_CALL_ORDER` below keeps the order honest."""
+    `_CALL_ORDER` below keeps the order honest.
+
+    Blobs are bytearrays and flags 0/1: CPython's sqlite3 binds an exact int, float, str or
+    bytearray as it is and looks any other type (bytes, bool) up in its adapter registry first
+    (a sixth of the writer thread in the profile, docs/benchmarks.md); psycopg's COPY takes both."""
     prompt, completion = call.prompt_token_ids, call.completion_token_ids
     return (
         call.id, call.rollout_id, call.call_index, call.attempt, call.endpoint,
         fit_text(call.model, _LIMITS["model"]), fit_text(call.agent_name, _LIMITS["agent_name"]),
         _request_text(call), _response_text(call),
-        pack_ints(prompt) if prompt else None, pack_ints(completion) if completion else None,
-        pack_floats(call.logprobs), fit_text(call.finish_reason, _LIMITS["finish_reason"]), call.status_code,
-        bool(call.stream), bool(call.partial), bool(call.is_training), fit_text(call.error),
+        _blob(pack_ints(prompt) if prompt else None), _blob(pack_ints(completion) if completion else None),
+        _blob(pack_floats(call.logprobs)), fit_text(call.finish_reason, _LIMITS["finish_reason"]), call.status_code,
+        1 if call.stream else 0, 1 if call.partial else 0, 1 if call.is_training else 0, fit_text(call.error),
         call.latency_s, call.started_at, call.policy_version, call.request_hash,
         fit_text(call.idempotency_key, _LIMITS["idempotency_key"]),
     )
+
+
+def _blob(packed: bytes | None) -> bytearray | None:
+    return None if packed is None else bytearray(packed)
 
 
 _CALL_ORDER = ("id", "rollout_id", "call_index", "attempt", "endpoint", "model", "agent_name", "request",

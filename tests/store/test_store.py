@@ -47,6 +47,23 @@ def test_token_ids_are_stored_as_packed_binary(store: TraceStore) -> None:
     assert isinstance(row.logprobs, bytes) and len(row.logprobs) == 4
 
 
+def test_flags_and_blobs_round_trip_through_the_bulk_insert(store: TraceStore) -> None:
+    """The bulk insert hands the driver 0/1 and bytearrays (sqlite3's unadapted types): what is
+    read back is the booleans and the exact values, and SQLite stores integers and blobs."""
+    flags = [(s, p, t) for s in (False, True) for p in (False, True) for t in (False, True)]
+    for i, (stream, partial, training) in enumerate(flags):
+        store.submit_call(_call("rf", i, stream=stream, partial=partial, is_training=training))
+    assert store.flush()
+    got = store.calls("rf")
+    assert [(c.stream, c.partial, c.is_training) for c in got] == flags
+    assert all(c.prompt_token_ids == (1, 2, 3) and c.completion_token_ids == (4, 5) for c in got)
+    if store.dialect == "sqlite":
+        with store.engine.connect() as conn:
+            kinds = set(conn.exec_driver_sql("SELECT typeof(stream), typeof(is_training), typeof(prompt_token_ids), "
+                                             "typeof(logprobs) FROM llm_calls WHERE rollout_id = 'rf'").all())
+        assert kinds == {("integer", "integer", "blob", "blob")}
+
+
 def test_missing_logprobs_stay_none_and_empty_ids_stay_empty(store: TraceStore) -> None:
     store.record_call(_call("r", 0, prompt_token_ids=(), completion_token_ids=(), logprobs=None, is_training=False))
     [got] = store.calls("r")
