@@ -254,8 +254,9 @@ def _rollout_urls(gw_url: str, n: int) -> tuple[list[str], list[str]]:
     return rids, [f"{gw_url}/rollouts/{rid}/v1/chat/completions" for rid in rids]
 
 
-def _print_table(args: argparse.Namespace, names: list[str], concs: list[int], results: dict, cpu: dict,
-                 refused: dict[str, int]) -> None:
+def _print_table(names: list[str], concs: list[int], results: dict, cpu: dict, refused: dict[str, int]) -> None:
+    """Every target side by side: latency, req/s as a ratio of direct, CPU per call; a target that
+    refused a mode says so in its cells."""
     header = f"{'mode':10s} {'metric':26s}" + "".join(f" {n:>10s}" for n in names) + "".join(
         f" {'added ' + n:>14s}" for n in names[1:])
     print(header)
@@ -402,7 +403,7 @@ def main() -> int:
           f"{sys.version.split()[0]}, SQLite store, engine {args.engine_ms:g} ms + {args.engine_cpu_ms:g} ms "
           f"CPU/completion; sequential n={args.seq}, "
           f"{'/'.join(map(str, concs))} concurrent n<={args.conc_requests}, cap {args.max_seconds:g}s/phase")
-    _print_table(args, names, concs, results, cpu, refused)
+    _print_table(names, concs, results, cpu, refused)
     print(f"recorded llm_calls: {recorded} (training: {training}); counters: {states}")
     return 0
 
