@@ -216,16 +216,17 @@ class TraceStore(StoreQueries, RewardOps, TrainerOps):
         JSON columns are serialised once here; SQLAlchemy's JSON type reads them
         back on both engines.
         """
-        rows = [M.call_tuple(c) for c in calls]
         if self.dialect == "postgresql":
             raw = conn.connection.driver_connection
             assert raw is not None
             with raw.cursor() as cur, cur.copy(M.COPY_CALLS) as copy:
                 copy.set_types(M.CALL_PG_TYPES)
-                for row in rows:
-                    copy.write_row(row)
+                # Each row is built as it is written: the server inserts what psycopg has sent while
+                # this thread builds the next rows (built all first, the server idled meanwhile).
+                for c in calls:
+                    copy.write_row(M.call_tuple(c))
         else:
-            conn.exec_driver_sql(M.INSERT_CALLS_QMARK, rows)
+            conn.exec_driver_sql(M.INSERT_CALLS_QMARK, [M.call_tuple(c) for c in calls])
 
     # -- direct writes (gateway, trainer, tests) -----------------------------
     def create_rollout(self, rollout: Rollout) -> tuple[Rollout, bool]:
