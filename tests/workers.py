@@ -3,7 +3,7 @@ grouping took effect (a pytest plugin module: the root conftest loads it).
 
 Each test gets the markers of what it needs, so that one expression selects a tier:
 - `vllm`: it starts a vLLM CPU server (it asks for the `vllm_python` fixture, or says so itself);
-- `demo`: one of the three demo runs (DEMOS), the longest tests by far;
+- `demo`: one of the demo runs (DEMOS), the longest tests by far;
 - `browser`: it drives headless Chromium (the tests say so themselves).
 `bash scripts/test.sh --quick` deselects all three (QUICK): the tier to run while working.
 
@@ -32,6 +32,7 @@ from collections.abc import Callable
 import pytest
 
 DEMOS = ("tests/demo/test_smol_demo.py::test_short_smol_demo_learns",
+         "tests/demo/test_smol_bfcl.py::test_short_bfcl_demo_learns",
          "tests/demo/test_team_demo.py::test_short_team_demo_trains_each_role_on_its_own_adapter",
          "tests/demo/test_demo.py::test_short_demo_learns")  # longest first
 QUICK = "not vllm and not demo and not browser"
