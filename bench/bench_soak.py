@@ -318,14 +318,15 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         store.close()
         lines_by_kind = {name: lines.lines for name, (_p, lines) in agents.items()}
         failures = failures_in_store(engine, lines_by_kind)
+        kinds = {"w": args.wrap_agents, "g": args.gateway_agents}  # agents per task-id prefix (KINDS)
         result = {
             "minutes": args.minutes, "agent_seconds": agent_s, "cpu": _cpu_name(), "cores": os.cpu_count(),
             "wrap_agents": args.wrap_agents, "gateway_agents": args.gateway_agents, "think_ms": args.think_ms,
             "llm_latency_ms": args.llm_latency_ms, "groups_per_step": args.groups_per_step,
             "counts": check_counts(lines_by_kind, final, trained_ids),
             "failures": failures,
-            "memory": memory_summary(samples, args.warmup_s, "anon_mib"),
-            "memory_rss": memory_summary(samples, args.warmup_s, "rss_mib"),
+            "memory": memory_summary(samples, args.warmup_s, "anon_mib", kinds),
+            "memory_rss": memory_summary(samples, args.warmup_s, "rss_mib", kinds),
             "load_avg": {"min": min(s["load"] for s in samples), "max": max(s["load"] for s in samples),
                          "mean": sum(s["load"] for s in samples) / len(samples)},
             "windows": window_rows(lines_by_kind, samples, t0),
@@ -359,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window-s", type=float, default=None, help="table row width (default: the run / 15, >= 5 s)")
     p.add_argument("--sample-s", type=float, default=None, help="memory sampling period (default: window / 3)")
     p.add_argument("--warmup-s", type=float, default=None,
-                   help="memory growth is measured from the end of this (default: the first window)")
+                   help="memory growth is measured from the end of this (default: the first window), and of "
+                        "each process's own warm-up (soak_report.warmup_ends)")
     p.add_argument("--drain-s", type=float, default=300.0, help="at most this long for the trainer to catch up")
     p.add_argument("--json", default=None, help="also write the JSON result here")
     args = p.parse_args(argv)

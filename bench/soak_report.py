@@ -43,20 +43,31 @@ def check_counts(lines_by_kind: dict[str, list[dict[str, Any]]], store: dict[str
     return out
 
 
-def warmup_ends(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, float]:
-    """When each process's memory growth starts to count: after `warmup_s`, and for the trainer after
-    its first committed step too (its first backward pass allocates the autograd and optimizer state:
-    tens of MiB that are no leak)."""
-    first_step = next((s["t"] for s in samples if s.get("train_steps", 0) >= 1), samples[-1]["t"])
-    return {name: max(warmup_s, first_step) if name == "trainer" else warmup_s for name in PROCESSES}
+def warmup_ends(samples: list[dict[str, Any]], warmup_s: float, agents: dict[str, int]) -> dict[str, float]:
+    """When each process's memory growth starts to count: after `warmup_s`, and after an event that
+    says it is warm, not a time (on a loaded machine an agent process was still importing at 6 s,
+    and its imports counted as growth): for the trainer its first committed step (its first backward
+    pass allocates the autograd and optimizer state: tens of MiB that are no leak); for an agent
+    process, and the gateway its agents call through, two finished rollouts per agent of its kind
+    (every path, the store's writer and its flush at a rollout's end included, has run)."""
+    def first(ready: Any) -> float:
+        return next((s["t"] for s in samples if ready(s)), samples[-1]["t"])
+
+    first_step = first(lambda s: s.get("train_steps", 0) >= 1)
+    warm = {kind: first(lambda s, kind=kind, n=n: s.get(f"{kind}_succeeded", 0) >= 2 * n)
+            for kind, n in agents.items()}
+    since = {"trainer": first_step, "wrap_agents": warm.get("w", 0.0), "gateway_agents": warm.get("g", 0.0),
+             "gateway": warm.get("g", 0.0)}
+    return {name: max(warmup_s, since.get(name, 0.0)) for name in PROCESSES}
 
 
-def memory_summary(samples: list[dict[str, Any]], warmup_s: float, key: str) -> dict[str, dict[str, float]]:
+def memory_summary(samples: list[dict[str, Any]], warmup_s: float, key: str,
+                   agents: dict[str, int]) -> dict[str, dict[str, float]]:
     """Per process, in MiB: at the first sample, after its warm-up, at the end (medians of 3 samples,
     so one sample taken mid-garbage-collection does not decide), the peak, the growth after warm-up,
     and over how many seconds that growth was measured."""
     out: dict[str, dict[str, float]] = {}
-    for name, since in warmup_ends(samples, warmup_s).items():
+    for name, since in warmup_ends(samples, warmup_s, agents).items():
         values = [(s["t"], s[key].get(name)) for s in samples]
         values = [(t, v) for t, v in values if v]  # None or 0: exited (a zombie reads 0) or not yet started
         if not values:

@@ -33,6 +33,29 @@ GROWTH_BOUND_MIB = {"gateway": 16.0, "wrap_agents": 16.0, "gateway_agents": 16.0
                     "postgres": 16.0, "trainer": 48.0}
 
 
+def _soak_report():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import soak_report
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return soak_report
+
+
+def test_an_agent_process_still_starting_at_the_first_window_is_not_growth() -> None:
+    """Under load the wrap agents' process was still importing at the end of the first window (51
+    MiB, 77 once warm): its warm-up ends when its agents have finished two rollouts each. A process
+    that grows after that still shows its growth."""
+    report = _soak_report()
+    anon = {6: 51.0, 8: 60.0, 10: 77.0, 12: 77.0, 14: 77.2, 16: 77.1, 18: 77.0, 20: 77.1}
+    samples = [{"t": float(t), "train_steps": 1, "w_succeeded": 0 if t < 10 else 8 * (t - 9), "g_succeeded": 50,
+                "anon_mib": {"wrap_agents": v, "gateway_agents": 30.0 + (t - 6) * 2}} for t, v in anon.items()]
+    memory = report.memory_summary(samples, 6.0, "anon_mib", {"w": 4, "g": 4})
+    assert memory["wrap_agents"]["after_warmup"] == 77.0 and abs(memory["wrap_agents"]["growth"]) < 0.5
+    # warm at 6 s: its growth counts (medians of the first and last three samples: 34 -> 54 MiB)
+    assert memory["gateway_agents"]["growth"] == pytest.approx(20.0)
+
+
 @pytest.mark.slow
 @pytest.mark.postgres
 def test_short_soak_loses_nothing_and_memory_stays_flat(tmp_path: Path) -> None:
