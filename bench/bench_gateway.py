@@ -232,11 +232,12 @@ def _start_agl(python: str, upstream: str, port: int, workdir: str, log_path: st
     raise TimeoutError("agentlightning server did not start")
 
 
-def _agl_rollout_urls(url: str, n: int) -> list[str]:
+def _agl_rollout_urls(url: str, n: int) -> tuple[list[str], list[str]]:
+    """(rollout ids, their proxy URLs) on the reference's server, as `_rollout_urls` on ours."""
     rids = [f"bench-{uuid.uuid4().hex[:10]}" for _ in range(n)]
     httpx.post(url + "/api/rollouts", json=[{"input": {"k": k}, "rollout_id": rid} for k, rid in enumerate(rids)],
                timeout=30).raise_for_status()
-    return [f"{url}/proxy/rollout/{rid}/attempt/0/mode/train/openai/v1/chat/completions" for rid in rids]
+    return rids, [f"{url}/proxy/rollout/{rid}/attempt/0/mode/train/openai/v1/chat/completions" for rid in rids]
 
 
 def _refuses_streams(url: str) -> int | None:
@@ -291,6 +292,11 @@ def _print_table(names: list[str], concs: list[int], results: dict, cpu: dict, r
             print(f"{mode:10s} {label:26s}" + "".join(fmt(p[0], ".2f", 10) for p in per))
             label = f"CPU ms/call, gw ({c})"
             print(f"{mode:10s} {label:26s} {'':>10s}" + "".join(fmt(p[1], ".2f", 10) for p in per[1:]))
+            label = f"calls measured (seq/{c})"
+            print(f"{mode:10s} {label:26s}" + "".join(
+                f" {'refused':>10s}" if (n, stream, "seq") not in results
+                else f" {results[(n, stream, 'seq')]['n']:>4d}/{results[(n, stream, f'conc{c}')]['n']:<5d}"
+                for n in names))
     for stream in (False, True):
         floor = results[("floor", stream, "seq")]["p50"]
         print(f"{'stream' if stream else 'non-stream':10s} sequential p50 over the floor (the gateway's own work): "
@@ -351,7 +357,9 @@ def main() -> int:
                 os.makedirs(agl_dir)
                 procs["agl"] = _start_agl(args.agl_python, server.base_url, agl_port, agl_dir,
                                           os.path.join(tmp, "agl.log"))
-                urls["agl"] = (_agl_rollout_urls(f"http://127.0.0.1:{agl_port}", n_urls), False)
+                agl_url = f"http://127.0.0.1:{agl_port}"
+                agl_rids, agl_urls = _agl_rollout_urls(agl_url, n_urls)
+                urls["agl"] = (agl_urls, False)
             for name in names:
                 status = _refuses_streams(urls[name][0][0])
                 if status is not None:
@@ -380,11 +388,9 @@ def main() -> int:
                 httpx.post(gw_url + f"/rollouts/{rid}/finish", json={"reward": 1.0}, timeout=60).raise_for_status()
             states["gateway"] = httpx.get(gw_url + "/admin/state").json()["counters"]
             if "agl" in urls:  # what the reference recorded (in its memory: it has no durable store)
-                agl_url = f"http://127.0.0.1:{agl_port}"
                 states["agl"] = {"model_request events": sum(
-                    len(httpx.get(f"{agl_url}/api/rollouts/{u.split('/proxy/rollout/')[1].split('/')[0]}/events",
-                                  params={"event_type": "model_request"}, timeout=60).json())
-                    for u in urls["agl"][0])}
+                    len(httpx.get(f"{agl_url}/api/rollouts/{rid}/events", params={"event_type": "model_request"},
+                                  timeout=60).json()) for rid in agl_rids)}
         finally:
             for proc in procs.values():
                 proc.terminate()

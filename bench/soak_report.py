@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 KINDS = {"w": "wrap_agents", "g": "gateway_agents"}  # task-id prefix -> the agent process that ran it
@@ -50,12 +51,14 @@ def warmup_ends(samples: list[dict[str, Any]], warmup_s: float, agents: dict[str
     pass allocates the autograd and optimizer state: tens of MiB that are no leak); for an agent
     process, and the gateway its agents call through, two finished rollouts per agent of its kind
     (every path, the store's writer and its flush at a rollout's end included, has run)."""
-    def first(ready: Any) -> float:
+    def first(ready: Callable[[dict[str, Any]], bool]) -> float:
         return next((s["t"] for s in samples if ready(s)), samples[-1]["t"])
 
+    def rollouts_done(kind: str, n: int) -> float:
+        return first(lambda s: s.get(f"{kind}_succeeded", 0) >= 2 * n)
+
     first_step = first(lambda s: s.get("train_steps", 0) >= 1)
-    warm = {kind: first(lambda s, kind=kind, n=n: s.get(f"{kind}_succeeded", 0) >= 2 * n)
-            for kind, n in agents.items()}
+    warm = {kind: rollouts_done(kind, n) for kind, n in agents.items()}
     since = {"trainer": first_step, "wrap_agents": warm.get("w", 0.0), "gateway_agents": warm.get("g", 0.0),
              "gateway": warm.get("g", 0.0)}
     return {name: max(warmup_s, since.get(name, 0.0)) for name in PROCESSES}
