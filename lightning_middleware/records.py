@@ -215,6 +215,8 @@ STEP_METRICS: dict[str, str] = {
     "staleness_max": "largest policy-version lag",
     "n_rollouts": "rollouts trained in the step",
     "tokens_per_s": "training tokens per second of the engine step",
+    "batch_build_s": "time to read the step's calls and build its rows and advantages",
+    "save_s": "time to write the step's checkpoint",
     "step_time_s": "wall time of the whole step (batch, train, publish, commit)",
     "rows_prefix_break_rate": "share of merge chances where a prompt did not extend its row",
 }

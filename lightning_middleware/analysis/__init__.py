@@ -7,6 +7,7 @@ transcripts, dataset export.
     A.success_by_task(rollouts)
     print(A.transcript(store, rollouts.rollout_id[0]).text())
     A.compare_reward_versions(store, "agent", "3f2a...")  # two reward versions side by side
+    A.step_breakdown(store).median()                      # where a training step's time goes
 
 Importing this package stays light: pandas is imported by the functions that need it.
 """
@@ -22,6 +23,8 @@ from lightning_middleware.analysis.frames import (
                                                   tokens_and_turns,
 )
 from lightning_middleware.analysis.metrics import (
+                                                  ROLLOUT_PHASES,
+                                                  STEP_PHASES,
                                                   best_and_worst,
                                                   latency_summary,
                                                   per_agent,
@@ -30,6 +33,7 @@ from lightning_middleware.analysis.metrics import (
                                                   reward_by_policy_version,
                                                   reward_by_train_step,
                                                   row_stats,
+                                                  step_breakdown,
                                                   success_by_task,
 )
 from lightning_middleware.analysis.transcripts import Transcript, TranscriptEntry, trained_spans, transcript
@@ -39,8 +43,10 @@ from lightning_middleware.store import open_store
 __all__ = [
     "DEFAULT_SUCCESS_THRESHOLD",
     "DriftRow",
+    "ROLLOUT_PHASES",
     "DriftSummary",
     "RewardComparison",
+    "STEP_PHASES",
     "Transcript",
     "TranscriptEntry",
     "best_and_worst",
@@ -61,6 +67,7 @@ __all__ = [
     "reward_by_train_step",
     "reward_versions",
     "row_stats",
+    "step_breakdown",
     "success_by_task",
     "tokens_and_turns",
     "trained_spans",

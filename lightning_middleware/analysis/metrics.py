@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from lightning_middleware.analysis.frames import load_calls, load_rewards
 from lightning_middleware.rows import build_rows
 from lightning_middleware.store import TraceStore, open_store
 
@@ -158,3 +159,69 @@ def prefix_break_rate(stats: pd.DataFrame) -> float:
         return 0.0
     breaks, merges = int(stats["prefix_breaks"].sum()), int(stats["merges"].sum())
     return breaks / (breaks + merges) if breaks + merges else 0.0
+
+
+# --------------------------------------------------------------------------
+# Where a training step's time goes
+# --------------------------------------------------------------------------
+
+STEP_PHASES = ("waiting_s", "build_s", "forward_backward_s", "save_s", "publish_s", "other_s")
+ROLLOUT_PHASES = ("rollout_s", "generation_s", "agent_s", "scoring_s")
+
+
+def step_breakdown(store: TraceStore | str | None = None, *, trainer_id: str | None = None) -> pd.DataFrame:
+    """Where each training step's time went: one row per step, indexed by (trainer_id, step).
+
+    The trainer's side (STEP_PHASES, from the step's own metrics; they sum to `interval_s`, the
+    time since the trainer's previous step, NaN for its first): `waiting_s`, the interval less
+    the step's own work (waiting for enough finished, scored groups: generation and scoring that
+    did not overlap training); `build_s` (the store read, rows and advantages);
+    `forward_backward_s` (the engine's step); `save_s` (the checkpoint; NaN in stores from before
+    it was recorded, where `other_s` holds it); `publish_s` (the weights into the server);
+    `other_s` (the rest: drift checks, bookkeeping).
+
+    The rollout side (ROLLOUT_PHASES), means over the rollouts the step trained on; in async mode
+    these ran while earlier steps trained, so they overlap the trainer's phases: `rollout_s`
+    (created to ended), `generation_s` (its LLM calls' latencies summed), `agent_s` (the rest of
+    the rollout: the agent's own code and tools), `scoring_s` (ended to its final reward: a judge
+    or a late scorer; 0 when the agent reported it).
+    """
+    import pandas as pd
+
+    st = open_store(store)
+    steps = st.train_steps(trainer_id)
+    columns = ["trainer_id", "step", "policy_version", "created_at", "rollouts", "interval_s", "step_s",
+               *STEP_PHASES, *ROLLOUT_PHASES]
+    if not steps:
+        return pd.DataFrame(columns=columns).set_index(["trainer_id", "step"])
+    ids = sorted({i for s in steps for i in s.rollout_ids})
+    rollouts = {r.id: r for r in st.query_rollouts(mode="train")}
+    latency = load_calls(st, rollout_ids=ids).groupby("rollout_id")["latency_s"].sum()
+    rewards = load_rewards(st)
+    final = rewards[rewards["final"]].groupby("rollout_id")["created_at"].max() if not rewards.empty else {}
+    rows = []
+    for s in steps:
+        m = s.metrics
+        total = float(m.get("step_time_s", float("nan")))
+        build, fb = float(m.get("batch_build_s", 0.0)), float(m.get("time_s", 0.0))
+        save, publish = float(m.get("save_s", float("nan"))), float(m.get("publish_total_s", 0.0))
+        per = [rollouts[i] for i in s.rollout_ids if i in rollouts]
+        durations = [(r.ended_at or r.created_at) - r.created_at for r in per]
+        generation = [float(latency.get(r.id, 0.0)) for r in per]
+        scoring = [max(0.0, float(final[r.id]) - (r.ended_at or r.created_at)) for r in per if r.id in final]
+        rows.append({
+            "trainer_id": s.trainer_id, "step": s.step, "policy_version": s.policy_version,
+            "created_at": s.created_at, "rollouts": len(s.rollout_ids), "step_s": total,
+            "build_s": build, "forward_backward_s": fb, "save_s": save, "publish_s": publish,
+            "other_s": total - build - fb - publish - (0.0 if save != save else save),
+            "rollout_s": _mean(durations), "generation_s": _mean(generation),
+            "agent_s": _mean([d - g for d, g in zip(durations, generation)]), "scoring_s": _mean(scoring),
+        })
+    df = pd.DataFrame(rows).sort_values(["trainer_id", "created_at"], kind="stable")
+    df["interval_s"] = df.groupby("trainer_id")["created_at"].diff()
+    df["waiting_s"] = df["interval_s"] - df["step_s"]
+    return df[columns].set_index(["trainer_id", "step"])
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")

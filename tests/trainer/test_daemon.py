@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import signal
 import subprocess
@@ -112,6 +113,41 @@ def test_step_consumes_groups_and_commits_version(llm_server, store, model_dir, 
     missing = set(STEP_METRICS) - set(step.metrics)
     assert not missing, f"the daemon no longer writes {sorted(missing)} (records.STEP_METRICS, notebooks)"
     assert daemon.step_once() is None  # nothing left
+
+
+def test_the_step_breakdown_adds_up_to_the_time_between_steps(llm_server, store, model_dir, tmp_path) -> None:
+    """analysis.step_breakdown over the daemon's real metrics: the trainer's phases sum to the
+    interval between two steps, the wait for late groups lands in waiting_s, and the rollout side
+    is the store's own call latencies and times."""
+    from lightning_middleware import analysis as A
+
+    run_rollouts(llm_server, store, {"a": [1, 0, 1, 0], "b": [0, 0, 1, 1]})
+    daemon = make_daemon(store, model_dir, tmp_path)
+    assert daemon.step_once() is not None
+    time.sleep(0.5)  # the second step's groups come later: the trainer waits for them
+    t0 = time.monotonic()
+    run_rollouts(llm_server, store, {"c": [1, 0, 0, 0], "d": [0, 1, 1, 1]})
+    late = time.monotonic() - t0
+    assert daemon.step_once() is not None
+    df = A.step_breakdown(store)
+    assert list(df.index) == [("trainer-0", 1), ("trainer-0", 2)]
+    first, second = df.iloc[0], df.iloc[1]
+    assert math.isnan(first.interval_s) and math.isnan(first.waiting_s)
+    assert second[list(A.STEP_PHASES)].sum() == pytest.approx(second.interval_s)
+    assert second.waiting_s >= 0.5 + late
+    for row in df.itertuples():
+        assert row.rollouts == 8 and row.build_s > 0 and row.forward_backward_s > 0 and row.save_s > 0
+        assert row.publish_s == 0 and row.other_s >= 0  # no publisher here
+        assert row.step_s == pytest.approx(row.build_s + row.forward_backward_s + row.save_s + row.other_s)
+    ids = store.train_steps()[1].rollout_ids
+    calls = store.calls_for(list(ids))
+    rollouts = [store.get_rollout(i) for i in ids]
+    generation = [sum(c.latency_s for c in calls[i]) for i in ids]
+    durations = [r.ended_at - r.created_at for r in rollouts]
+    assert second.generation_s == pytest.approx(sum(generation) / 8) and second.generation_s > 0
+    assert second.rollout_s == pytest.approx(sum(durations) / 8)
+    assert second.agent_s == pytest.approx(second.rollout_s - second.generation_s)
+    assert 0 <= second.scoring_s < 1.0  # the agent reported its reward itself
 
 
 def test_waits_for_enough_groups_and_skips_bad_rollouts(llm_server, store, model_dir, tmp_path) -> None:

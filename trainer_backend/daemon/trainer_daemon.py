@@ -302,12 +302,14 @@ class TrainerDaemon:
         drift, drift_data = self.drift.measure(rollouts, calls, row_stats)
         engine_metrics = self.engine.step(rows)
         version = self.engine.policy_version
+        t_save = time.perf_counter()
         ckpt = self._save(version)
+        t_save = time.perf_counter() - t_save
         publish = self._publish(ckpt, version)
         if self.publisher is not None:  # a served template that changed: refused before the commit
             self.drift.after_publish(version, self._step + 1)
         self._step += 1
-        metrics = self._metrics(rollouts, rows, row_stats, adv, engine_metrics, batch.skipped, t_build,
+        metrics = self._metrics(rollouts, rows, row_stats, adv, engine_metrics, batch.skipped, t_build, t_save,
                                 time.perf_counter() - t0, publish) | self.credit.metrics(rows, steps) | drift
         findings = self.health.check(metrics)
         for f in findings:
@@ -367,7 +369,7 @@ class TrainerDaemon:
 
     def _metrics(self, rollouts: Sequence[Rollout], rows: Sequence[Any], row_stats: RowStats,
                  adv: dict[tuple[str, str | None], float], engine_metrics: dict[str, float], skipped: dict[str, int],
-                 t_build: float, t_total: float, publish: dict[str, Any]) -> dict[str, Any]:
+                 t_build: float, t_save: float, t_total: float, publish: dict[str, Any]) -> dict[str, Any]:
         rewards = [float(r.final_reward or 0.0) for r in rollouts]
         mean = sum(rewards) / len(rewards)
         std = (sum((x - mean) ** 2 for x in rewards) / max(1, len(rewards) - 1)) ** 0.5
@@ -391,6 +393,7 @@ class TrainerDaemon:
             "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
             "staleness_max": max(lags, default=0),
             "batch_build_s": t_build,
+            "save_s": t_save,
             "step_time_s": t_total,
             **{f"rows_{k}": v for k, v in row_stats.as_dict().items()},
             **{f"skipped_{k}": v for k, v in skipped.items()},
