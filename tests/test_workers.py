@@ -118,47 +118,6 @@ def test_tests_sharing_a_server_run_on_one_worker(tmp_path: Path) -> None:
     assert len(set(ran.values())) == 2, ran  # both workers ran tests: the check above is not vacuous
 
 
-# A stand-in for each demo at its real node id: each records its worker and when it started and ended.
-DEMO_STAND_IN = '''
-import json, os, time
-from pathlib import Path
-
-
-def {name}():
-    start = time.monotonic()
-    time.sleep(1.0)
-    with (Path(__file__).parent.parent / "demos.jsonl").open("a") as f:
-        f.write(json.dumps({{"test": "{nodeid}", "worker": os.environ.get("PYTEST_XDIST_WORKER"),
-                            "start": start, "end": time.monotonic()}}) + "\\n")
-
-
-def test_elsewhere():
-    time.sleep(0.2)
-'''
-
-
-def test_the_demo_lanes_start_at_once_on_the_two_workers(tmp_path: Path) -> None:
-    """The real DEMO_LANES at the demos' real node ids: each lane's demos run one after another on one
-    worker, the two lanes on the two workers side by side from the start."""
-    from tests.workers import DEMO_LANES, DEMOS
-
-    for nodeid in DEMOS:
-        path, _, name = nodeid.partition("::")
-        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / path).write_text(DEMO_STAND_IN.format(name=name, nodeid=nodeid))
-    run = _pytest(tmp_path, "-p", "tests.workers", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    ran = {r["test"]: r for r in map(json.loads, (tmp_path / "tests" / "demos.jsonl").read_text().splitlines())}
-    assert set(ran) == set(DEMOS)
-    workers = {lane: {ran[nodeid]["worker"] for nodeid in nodeids} for lane, nodeids in DEMO_LANES.items()}
-    assert all(len(w) == 1 for w in workers.values()), workers  # a lane stays on its worker
-    assert len(set.union(*workers.values())) == 2, workers  # and the two lanes are on different ones
-    for nodeids in DEMO_LANES.values():  # one after another, in the lane's order
-        assert all(ran[a]["end"] <= ran[b]["start"] for a, b in zip(nodeids, nodeids[1:])), ran
-    firsts = [ran[nodeids[0]] for nodeids in DEMO_LANES.values()]
-    assert max(r["start"] for r in firsts) < min(r["end"] for r in firsts), firsts  # side by side at once
-
-
 def test_a_lost_grouping_stops_the_run_on_one_line(tmp_path: Path) -> None:
     (tmp_path / "test_grouped.py").write_text(GROUPED)
     (tmp_path / "conftest.py").write_text(LOSES_THE_GROUP)

@@ -11,12 +11,11 @@ scripts/test.sh runs `-n 2 --dist loadgroup --no-loadscope-reorder`; each worker
 session of its own, so a session fixture (a server) starts once per worker that runs a test
 asking for it. Kept on one worker, each group in GROUPS: the tests that share the tiny model's vLLM
 server (it starts once), those of Ray's local runtime (two workers would start it on one port),
-and the tests of a module that share a module-scoped fixture (group_of). The demos run in two
-lanes (DEMO_LANES), each a group of demos one after another, balanced by their measured times: both
-lanes come first in the collection, and without xdist's reordering of groups by size xdist hands
-the first work unit to the first worker and the second to the second, so the lanes start at once
-side by side and then both workers take the rest. One lane of all the demos made the suite as long
-as the demos alone (22 min of a 22.3-min run, the other worker idle at the end: docs/benchmarks.md).
+and the demos, one after another (each keeps both cores busy with its own vLLM server and
+trainer); and the tests of a module that share a module-scoped fixture (group_of). The demos
+come first in the collection, and without xdist's reordering of groups by size their group is the
+first work unit handed out: it is the suite's longest, so it starts at once and the other worker
+takes the rest.
 
 `--dist loadgroup` groups by a suffix xdist appends to each grouped test's id (`NODEID@group`).
 With pytest 9.2 and pytest-xdist 3.8 that suffix is lost (xdist writes `item._nodeid`, pytest 9.2
@@ -32,17 +31,13 @@ from collections.abc import Callable
 
 import pytest
 
-# Each lane's seconds alone on a quiet 2-core AVX512-BF16 machine, warm caches (docs/benchmarks.md).
-DEMO_LANES: dict[str, tuple[str, ...]] = {
-    "demo-a": ("tests/demo/test_smol_demo.py::test_short_smol_demo_learns",  # 651 s
-               "tests/demo/test_demo.py::test_short_demo_learns"),  # 157 s
-    "demo-b": ("tests/demo/test_team_demo.py::test_short_team_demo_trains_each_role_on_its_own_adapter",  # 379 s
-               "tests/demo/test_smol_bfcl.py::test_short_bfcl_demo_learns"),  # 354 s
-}
-DEMOS = tuple(nodeid for lane in DEMO_LANES.values() for nodeid in lane)
-_LANE_OF = {nodeid: lane for lane, nodeids in DEMO_LANES.items() for nodeid in nodeids}
+DEMOS = ("tests/demo/test_smol_demo.py::test_short_smol_demo_learns",
+         "tests/demo/test_smol_bfcl.py::test_short_bfcl_demo_learns",
+         "tests/demo/test_team_demo.py::test_short_team_demo_trains_each_role_on_its_own_adapter",
+         "tests/demo/test_demo.py::test_short_demo_learns")  # longest first
 QUICK = "not vllm and not demo and not browser"
 GROUPS: tuple[tuple[str, Callable[[pytest.Item], bool]], ...] = (
+    ("demo", lambda item: item.get_closest_marker("demo") is not None),
     ("vllm", lambda item: "vllm_server" in getattr(item, "fixturenames", ())),
     ("ray", lambda item: item.nodeid.startswith("tests/controller/test_controller_ray")),
 )
@@ -54,11 +49,9 @@ def _module_scoped(item: pytest.Item) -> bool:
 
 
 def group_of(item: pytest.Item) -> str | None:
-    """The worker group a test runs in, if any: its demo lane, one of GROUPS, else its module's where
-    it asks for a module-scoped fixture (one runs once per worker that runs the module's tests: a
-    LoRA vLLM server, a verl subprocess of ~15 s of CPU, a gateway)."""
-    if item.nodeid in _LANE_OF:
-        return _LANE_OF[item.nodeid]
+    """The worker group a test runs in, if any: one of GROUPS, else its module's where it asks for a
+    module-scoped fixture (one runs once per worker that runs the module's tests: a LoRA vLLM server,
+    a verl subprocess of ~15 s of CPU, a gateway)."""
     for group, wants in GROUPS:
         if wants(item):
             return group
@@ -75,7 +68,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if (group := group_of(item)) is not None:
             item.add_marker(pytest.mark.xdist_group(group))
     rank = {nodeid: i for i, nodeid in enumerate(DEMOS)}
-    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))  # lane by lane; the rest keep their order
+    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))  # stable: the rest keep their order
 
 
 def ungrouped(items: list[pytest.Item]) -> list[str]:
