@@ -3,6 +3,7 @@ retries, per-agent figures, best and worst rollouts, and the trainer's row stati
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -213,7 +214,7 @@ def step_breakdown(store: TraceStore | str | None = None, *, trainer_id: str | N
             "trainer_id": s.trainer_id, "step": s.step, "policy_version": s.policy_version,
             "created_at": s.created_at, "rollouts": len(s.rollout_ids), "step_s": total,
             "build_s": build, "forward_backward_s": fb, "save_s": save, "publish_s": publish,
-            "other_s": total - build - fb - publish - (0.0 if save != save else save),
+            "other_s": total - build - fb - publish - (0.0 if math.isnan(save) else save),
             "rollout_s": _mean(durations), "generation_s": _mean(generation),
             "agent_s": _mean([d - g for d, g in zip(durations, generation)]), "scoring_s": _mean(scoring),
         })
