@@ -195,9 +195,9 @@ def step_breakdown(store: TraceStore | str | None = None, *, trainer_id: str | N
                *STEP_PHASES, *ROLLOUT_PHASES]
     if not steps:
         return pd.DataFrame(columns=columns).set_index(["trainer_id", "step"])
-    ids = sorted({i for s in steps for i in s.rollout_ids})
     rollouts = {r.id: r for r in st.query_rollouts(mode="train")}
-    latency = load_calls(st, rollout_ids=ids).groupby("rollout_id")["latency_s"].sum()
+    # every call, not an IN over the ids: a long run trains more rollouts than SQLite binds at once
+    latency = load_calls(st).groupby("rollout_id")["latency_s"].sum()
     rewards = load_rewards(st)
     final = rewards[rewards["final"]].groupby("rollout_id")["created_at"].max() if not rewards.empty else {}
     rows = []
