@@ -43,8 +43,8 @@ from lightning_middleware.store import open_store
 __all__ = [
     "DEFAULT_SUCCESS_THRESHOLD",
     "DriftRow",
-    "ROLLOUT_PHASES",
     "DriftSummary",
+    "ROLLOUT_PHASES",
     "RewardComparison",
     "STEP_PHASES",
     "Transcript",
