@@ -18,7 +18,9 @@ from trainer_backend.demo.smol_rg import (
     RULES,
     SFT_SEED,
     TRAIN_SEED,
+    ReasoningDemoRun,
     demonstrations_for,
+    held_out,
     make_rg_agent,
     outcomes,
     split,
@@ -26,6 +28,39 @@ from trainer_backend.demo.smol_rg import (
 
 pytest.importorskip("reasoning_gym", reason="the set-up installs the benchmarks extra")
 TASK = "rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=2"
+SMALL = "rg:chain_sum?min_terms=2&max_terms=3&min_digits=1&max_digits=1"  # a small question space: seeds repeat items
+
+
+def test_held_out_items_ask_no_question_a_train_or_warm_start_item_asks() -> None:
+    """The demo's own splits, as `lightning-mw demo --task` builds them: on a dataset small enough
+    that another seed draws the same questions, the held-out set skips them (and its own repeats),
+    keeps the order of its seed, and is the same at every call."""
+    from lightning_middleware.cli import build_parser
+    from trainer_backend.demo.cli import config_from
+
+    for address in (SMALL, TASK):
+        run = ReasoningDemoRun(config_from(build_parser().parse_args(["demo", "--task", address, "--seed", "1"])))
+        train = {t["question"] for t in run.train_tasks}
+        shown = {m[1]["content"] for m, _ in demonstrations_for(address)(6 * 4, 0)}
+        asked = [t["question"] for t in run.eval_tasks]
+        assert len(asked) == len(set(asked)) == 256 and not set(asked) & (train | shown)
+        raw = [t["question"] for t in reasoning.tasks(split(address, 256, EVAL_SEED + 1))]
+        skipped = run.results["held_out"]["skipped_seen_or_repeated"]
+        assert sum(q in train for q in raw) > 0 and skipped >= sum(q in train for q in raw)
+        indices = [t["rg"]["index"] for t in run.eval_tasks]
+        assert indices == sorted(indices) and indices[-1] == 255 + skipped
+        assert [t["task_id"] for t in run.eval_tasks] == [t["task_id"] for t in held_out(
+            address, 256, EVAL_SEED + 1, train | shown)[0]]
+
+
+def test_a_dataset_too_small_for_its_held_out_set_says_so_in_one_line() -> None:
+    tiny = "rg:chain_sum?min_terms=2&max_terms=2&min_digits=1&max_digits=1"  # at most 200 questions
+    seen = {t["question"] for t in reasoning.tasks(split(tiny, 2000, TRAIN_SEED))}
+    with pytest.raises(reasoning.BenchmarkError, match="too small for 20 held-out items") as err:
+        held_out(tiny, 20, EVAL_SEED, seen)
+    assert "\n" not in str(err.value)
+    some, skipped = held_out(tiny, 20, EVAL_SEED, set())  # with nothing trained on, only repeats skip
+    assert len({t["question"] for t in some}) == 20 and some[-1]["rg"]["index"] == 19 + skipped
 
 
 def test_each_split_has_its_own_seed_and_keeps_the_datasets_config() -> None:

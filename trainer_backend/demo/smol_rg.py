@@ -4,11 +4,14 @@ scored by the dataset's own `score_answer`.
     lightning-mw demo --task "rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=1"
 
 The address names the dataset and its own config keys (lightning_middleware/benchmarks/reasoning.py);
-the demo sets each split's size and seed, so no item is shared:
+the demo sets each split's size and seed:
 
 - train: `size = train_tasks`, seed `TRAIN_SEED + seed`;
-- held out: `size = eval_tasks`, seed `EVAL_SEED + seed`, a seed never trained on;
-- warm start: seed `SFT_SEED + warm_start_seed`, items shown with their answers.
+- warm start: seed `SFT_SEED + warm_start_seed`, items shown with their answers;
+- held out: `eval_tasks` items of seed `EVAL_SEED + seed`, a seed never trained on, each asking a
+  question that no train or warm-start item asks, and none asked twice. Seeds alone do not keep
+  items apart: a small dataset draws the same questions again (chain_sum with 2-3 one-digit terms:
+  166 of a seed's first 256 items appear among another seed's 4,096), so `held_out` skips them.
 
 The agent is a LangChain chat model, `wrap()`ed, asked once with a system prompt that wants the
 answer inside `<answer>` tags; it returns nothing. The reward configuration (`rg_score`,
@@ -21,7 +24,7 @@ BFCL tasks' teach their tool calls.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from lightning_middleware import RewardConfig, TraceStore
@@ -29,13 +32,13 @@ from lightning_middleware.benchmarks import reasoning
 from lightning_middleware.controller import RolloutResult
 from trainer_backend.demo.run import DemoConfig
 from trainer_backend.demo.smol import POLICY, REQUEST_TIMEOUT_S, SmolDemoRun
-from trainer_backend.demo.smol_warm import Demonstration
+from trainer_backend.demo.smol_warm import Demonstration, SmolWarmStart
 
 SYSTEM = "Answer the question. Give only the final answer, inside <answer></answer> tags."
 RULES: dict[str, Any] = {"rules": {"rg": {"function": "lightning_middleware.benchmarks.reasoning:rg_score",
                                           "weight": 1.0}},
                          "agent_reward": False}
-TRAIN_SEED, EVAL_SEED, SFT_SEED = 0, 1_000_000, 2_000_000  # each split its own seeds: no shared item
+TRAIN_SEED, EVAL_SEED, SFT_SEED = 0, 1_000_000, 2_000_000  # each split its own seeds (and held_out)
 SFT_STEPS = 6
 MAX_TOKENS = 64
 
@@ -44,6 +47,31 @@ def split(address: str, size: int, seed: int) -> str:
     """`address` (rg:NAME with the dataset's config keys) with this split's size and seed."""
     a = reasoning.parse(address)
     return str(reasoning.Address(a.name, size, seed, a.config))
+
+
+def held_out(address: str, size: int, seed: int, seen: Collection[str]) -> tuple[list[dict[str, Any]], int]:
+    """The first `size` items of seed `seed` whose question is not in `seen` (the train and
+    warm-start questions) and not asked by an earlier one; with how many items were skipped.
+    reasoning-gym's item i of a seed is the same at any size, so the walk is deterministic."""
+    seen = set(seen)
+    limit = max(64 * size, 4096)  # chain_sum's 2-3 one-digit terms: ~1 novel question in 3 items
+    n = 2 * size
+    while True:
+        found: list[dict[str, Any]] = []
+        asked = set(seen)
+        candidates = reasoning.tasks(split(address, n, seed))
+        for i, task in enumerate(candidates):
+            if task["question"] not in asked:
+                asked.add(task["question"])
+                found.append(task)
+                if len(found) == size:
+                    return found, i + 1 - size
+        if n >= limit:
+            raise reasoning.BenchmarkError(
+                f"{address}: only {len(found)} of {n} held-out items ask a question that no train or warm-start "
+                f"item asks; the dataset is too small for {size} held-out items (fewer --eval-tasks, or a "
+                f"larger config)")
+        n = min(2 * n, limit)
 
 
 def demonstrations_for(address: str) -> Callable[[int, int], list[Demonstration]]:
@@ -97,8 +125,12 @@ class ReasoningDemoRun(SmolDemoRun):
         super().__init__(cfg)
         address = str(cfg.extra["rg"])
         self.train_tasks = reasoning.tasks(split(address, cfg.train_tasks, TRAIN_SEED + cfg.seed))
-        self.eval_tasks = reasoning.tasks(split(address, cfg.eval_tasks, EVAL_SEED + cfg.seed))
         self.address = address
+        steps = self.sft_steps if cfg.sft_steps is None else cfg.sft_steps
+        shown = self._demonstrations()(steps * SmolWarmStart.batch, cfg.warm_start_seed) if steps > 0 else []
+        seen = {t["question"] for t in self.train_tasks} | {m[1]["content"] for m, _ in shown}
+        self.eval_tasks, skipped = held_out(address, cfg.eval_tasks, EVAL_SEED + cfg.seed, seen)
+        self.results["held_out"] = {"items": len(self.eval_tasks), "skipped_seen_or_repeated": skipped}
         # the cache names the dataset and its config: another task is another warm start
         name = reasoning.parse(address).name
         self.warm_start_name = f"smol-rg-{name}-{hashlib.sha256(split(address, 1, 0).encode()).hexdigest()[:8]}"
