@@ -43,8 +43,9 @@ PROOFS: dict[str, tuple[list[str], float]] = {
     "smol": (["--model", "smollm2", "--task", "arith", "--max-steps", "6", "--minutes", "25", "--no-greedy"], 0.0),
     # the target: +10 pp greedy on held-out items in at most 30 min of RL (its recipe's budget)
     "bfcl": (["--task", "bfcl"], 10.0),
-    # reasoning-gym, the two datasets whose warm-started baseline sits in 10-60% at greedy (18.8%,
-    # 21.1%; docs/demo.md); the target: +10 pp held-out at greedy, items of unseen seeds
+    # reasoning-gym; the target: +10 pp at greedy on held-out items of an unseen seed, none
+    # asking a trained question (smol_rg.held_out). basic_arithmetic's baseline: 11.3% (docs/demo.md);
+    # chain_sum's clean held-out set is 3-term sums only, at ~9%: below the 10-60% window
     "rg-arith": (["--task", "rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=2"], 10.0),
     "rg-chain": (["--task", "rg:chain_sum?min_terms=2&max_terms=3&min_digits=1&max_digits=1"], 10.0),
 }
@@ -83,7 +84,7 @@ def run_proof(task: str, seed: int, out: Path) -> dict[str, Any]:
             "gain_pp": round(gain, 1),
             "margin_pp": margin, "met": gain > margin if margin == 0 else gain >= margin, "steps": res["steps"],
             "rl_min": round(res["timings"]["rl_s"] / 60, 2), "total_min": round(res["timings"]["total_s"] / 60, 2),
-            "load_avg": res["load_avg"]}
+            "load_avg": res["load_avg"], **({"held_out": res["held_out"]} if "held_out" in res else {})}
 
 
 def main() -> None:
