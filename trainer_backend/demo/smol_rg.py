@@ -117,7 +117,7 @@ class ReasoningDemoRun(SmolDemoRun):
     """The SmolLM2 demo's steps on a reasoning-gym dataset: its items, its scorer, its warm start."""
 
     sft_steps = SFT_STEPS
-    task_noun = "items"
+    task_noun = "items, none asking a question a train or warm-start item asks"
     format_key = ("tagged", "answer in tags")
     outcomes = staticmethod(outcomes)
 
