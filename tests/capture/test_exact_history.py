@@ -134,14 +134,14 @@ def test_through_the_gateway(llm_server: LLMTestServer, store: TraceStore) -> No
     """`Gateway(exact_history=True)` (`lightning-mw gateway --exact-history`): the same, for an
     agent in another process that points its base URL at a rollout."""
     with Gateway([llm_server.base_url], store, health_interval_s=0, exact_history=True) as gw:
-        rid = httpx.post(gw.url + "/rollouts", json={"task_id": "t"}).json()["id"]
+        rid = httpx.post(gw.url + "/rollouts", json={"task_id": "t"}, timeout=30).json()["id"]
         client = openai.OpenAI(base_url=gw.rollout_base_url(rid), api_key="sk-test")
         messages: list[dict] = [{"role": "user", "content": "what is 6*7?"}]
         message = client.chat.completions.create(model=LOOSE, messages=messages, tools=TOOLS) \
             .choices[0].message.model_dump(exclude_none=True)
         messages += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "42"}]
         client.chat.completions.create(model=LOOSE, messages=messages, tools=TOOLS)
-        httpx.post(gw.url + f"/rollouts/{rid}/finish", json={"reward": 1.0}).raise_for_status()
+        httpx.post(gw.url + f"/rollouts/{rid}/finish", json={"reward": 1.0}, timeout=30).raise_for_status()
     store.flush()
     rows, stats = build_rows(store.calls(rid), rollout_id=rid)
     assert (len(rows), stats.prefix_breaks, stats.merges) == (1, 0, 1)

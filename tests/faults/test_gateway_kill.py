@@ -84,7 +84,8 @@ def test_gateway_killed_under_load_and_restarted(llm_server: LLMTestServer, tmp_
     proc = _gateway(url, llm_server.base_url, port)
     stop = threading.Event()
     try:
-        rids = [httpx.post(base + "/rollouts", json={"task_id": "gw-kill"}).json()["id"] for _ in range(AGENTS)]
+        rids = [httpx.post(base + "/rollouts", json={"task_id": "gw-kill"},
+                           timeout=30).json()["id"] for _ in range(AGENTS)]
         time.sleep(0.2)  # the rollouts are on disk (the test kills calls, not rollout creation)
         agents = [Agent(base, rid, stop) for rid in rids]
         for a in agents:

@@ -67,7 +67,7 @@ def test_upstream_fault_through_wrap(fault: str, llm_server: LLMTestServer, sq: 
 def test_upstream_fault_through_the_gateway(fault: str, llm_server: LLMTestServer, sq: TraceStore) -> None:
     headers, stream = FAULTS[fault]
     with Gateway([llm_server.base_url], sq, health_interval_s=0, upstream_timeout_s=0.5) as gw:
-        rid = httpx.post(gw.url + "/rollouts", json={"task_id": "upstream-fault"}).json()["id"]
+        rid = httpx.post(gw.url + "/rollouts", json={"task_id": "upstream-fault"}, timeout=30).json()["id"]
         client = openai.OpenAI(base_url=gw.rollout_base_url(rid), api_key="x", max_retries=0, timeout=10)
         with pytest.raises(openai.APIError) as err:
             _call(client, headers, stream)
@@ -78,7 +78,7 @@ def test_upstream_fault_through_the_gateway(fault: str, llm_server: LLMTestServe
         assert isinstance(err.value, expected), repr(err.value)
         if fault != "closed mid-stream":
             assert err.value.status_code == {"5xx": 502, "hang": 504}[fault]  # type: ignore[attr-defined]
-        assert httpx.post(gw.url + f"/rollouts/{rid}/fail", json={"error": "upstream"}).status_code == 200
+        assert httpx.post(gw.url + f"/rollouts/{rid}/fail", json={"error": "upstream"}, timeout=30).status_code == 200
         calls = sq.calls(rid)
     _check_recorded_failed(calls, fault)
     report(Cell(f"upstream {fault} (gateway)", sent=1, recorded=len(calls), lost=0,

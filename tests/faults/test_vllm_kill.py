@@ -2,7 +2,10 @@
 
 Its own server (never the session's shared one), on the suite's tiny tied model, so the test
 is slow (a vLLM start is 25-40 s here). Four streaming rollouts run under the controller; the
-server's process group is killed once tokens flow and is not brought back. The agent sees
+server's process group is killed once all four streams flow at once, and is not brought back: the
+stream that started last has most of its tokens still to generate, so at least one is cut (a timed
+kill after the first token could land when the tiny model had already finished every stream, as it
+did on an AMX Xeon's first, cold run). The agent sees
 `openai.APIConnectionError`; the controller retries each rollout (an infrastructure error), the
 retries find no server, and every rollout ends `failed`. Nothing half-recorded is trainable:
 cut streams are `partial`, refused calls failed, and the trainer never takes a failed rollout.
@@ -36,27 +39,43 @@ def test_vllm_killed_mid_rollout(vllm_python: Path, tied_checkpoints: Any, tmp_p
                         log_path=tmp_path / "vllm.log", max_model_len=1024).start()
     client = wrap(openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=30), store=store)
     flowing = threading.Event()
+    open_streams: set[int] = set()
+    lock = threading.Lock()
+    killed = threading.Event()
+
+    def kill() -> None:  # under `lock`, once
+        if not killed.is_set():
+            assert server.pid is not None
+            os.killpg(server.pid, signal.SIGKILL)
+            killed.set()
 
     def agent(task: dict[str, Any]) -> float:
         messages = [{"role": "user", "content": f"{task['task_id']}: tell a long story"}]
         for _ in range(3):
             text = ""
+            stream_id = id(messages)
             for chunk in client.chat.completions.create(model="tiny-kill", messages=messages,  # type: ignore[arg-type]
                                                         stream=True, max_tokens=256,
                                                         extra_body={"ignore_eos": True}):
                 flowing.set()
+                with lock:
+                    open_streams.add(stream_id)
+                    if len(open_streams) == ROLLOUTS:
+                        kill()  # from here: this stream has its first tokens and is certainly cut
                 if chunk.choices:
                     text += chunk.choices[0].delta.content or ""
+            with lock:
+                open_streams.discard(stream_id)
             messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "go on"}]
         return 1.0
 
-    def kill() -> None:
+    def kill_late() -> None:  # where the four never flow at once: a kill 2 s after the first token
         flowing.wait(120)
-        time.sleep(0.2)
-        assert server.pid is not None
-        os.killpg(server.pid, signal.SIGKILL)
+        time.sleep(2.0)
+        with lock:
+            kill()
 
-    killer = threading.Thread(target=kill, daemon=True)
+    killer = threading.Thread(target=kill_late, daemon=True)
     killer.start()
     t0 = time.monotonic()
     try:

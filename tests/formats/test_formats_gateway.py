@@ -41,7 +41,7 @@ def gw(llm_server: LLMTestServer, store: TraceStore) -> Iterator[Gateway]:
 
 
 def _rollout(gw: Gateway) -> str:
-    r = httpx.post(gw.url + "/rollouts", json={"task_id": "t"})
+    r = httpx.post(gw.url + "/rollouts", json={"task_id": "t"}, timeout=30)
     assert r.status_code == 201, r.text
     return str(r.json()["id"])
 
@@ -141,7 +141,7 @@ def test_refused_requests_name_the_field_in_the_callers_format(gw: Gateway, stor
 
 
 def test_a_gateway_error_is_in_the_callers_format(gw: Gateway) -> None:
-    r = httpx.post(f"{gw.url}/rollouts/no-such-rollout/v1/messages", json={"model": "m", "messages": []})
+    r = httpx.post(f"{gw.url}/rollouts/no-such-rollout/v1/messages", json={"model": "m", "messages": []}, timeout=30)
     assert r.status_code == 404 and r.json()["type"] == "error" and "no-such-rollout" in r.json()["error"]["message"]
 
 

@@ -127,7 +127,7 @@ def anthropic_turns(client: anthropic.Anthropic, stream: bool) -> list[Any]:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_anthropic_sdk_through_the_gateway(vllm_server, gw: Gateway, store: TraceStore, stream: bool) -> None:
-    rid = httpx.post(gw.url + "/rollouts", json={"task_id": "fmt-vllm"}).json()["id"]
+    rid = httpx.post(gw.url + "/rollouts", json={"task_id": "fmt-vllm"}, timeout=30).json()["id"]
     replies = anthropic_turns(anthropic.Anthropic(base_url=f"{gw.url}/rollouts/{rid}", api_key="-"), stream)
     assert httpx.post(f"{gw.url}/rollouts/{rid}/finish", json={"reward": 1.0}, timeout=60).status_code == 200
     calls = _no_drift(vllm_server, store, rid, "anthropic.messages", stream)
@@ -186,7 +186,7 @@ def _check_continued(calls: list[LLMCall]) -> None:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_responses_client_through_the_gateway(vllm_server, gw: Gateway, store: TraceStore, stream: bool) -> None:
-    rid = httpx.post(gw.url + "/rollouts", json={"task_id": "fmt-vllm"}).json()["id"]
+    rid = httpx.post(gw.url + "/rollouts", json={"task_id": "fmt-vllm"}, timeout=30).json()["id"]
     replies = responses_turns(openai.OpenAI(base_url=gw.rollout_base_url(rid), api_key="-"), stream)
     assert httpx.post(f"{gw.url}/rollouts/{rid}/finish", json={"reward": 1.0}, timeout=60).status_code == 200
     calls = _no_drift(vllm_server, store, rid, "responses", stream)

@@ -25,7 +25,7 @@ def gw(llm_server: LLMTestServer, store: TraceStore) -> Iterator[Gateway]:
 
 
 def new_rollout(gw: Gateway) -> str:
-    r = httpx.post(gw.url + "/rollouts", json={"task_id": "t"})
+    r = httpx.post(gw.url + "/rollouts", json={"task_id": "t"}, timeout=30)
     assert r.status_code == 201, r.text
     return str(r.json()["id"])
 
@@ -59,12 +59,14 @@ def test_absurd_but_valid_calls_are_recorded_made_to_fit(gw: Gateway, store: Tra
 
 def test_text_a_database_refuses_is_a_400_not_a_503(gw: Gateway, store: TraceStore) -> None:
     rid = new_rollout(gw)
-    refused(httpx.post(gw.url + "/rollouts", json={"task_id": "t\u0000"}), "bad_task_id")
-    refused(httpx.post(gw.url + f"/rollouts/{rid}/reward", json={"value": 1, "name": "n" * 256}), "bad_reward")
-    refused(httpx.post(gw.url + f"/rollouts/{rid}/reward", json={"value": 1, "name": "a\u0000"}), "bad_reward")
-    refused(httpx.post(gw.url + f"/rollouts/{rid}/reward", json={"value": 1, "name": 5}), "bad_reward")
-    refused(httpx.get(gw.url + "/rollouts/a%00b"), "bad_rollout_id")
-    refused(httpx.get(gw.url + "/rollouts/" + "a" * 65), "bad_rollout_id")
+    refused(httpx.post(gw.url + "/rollouts", json={"task_id": "t\u0000"}, timeout=30), "bad_task_id")
+    refused(httpx.post(gw.url + f"/rollouts/{rid}/reward", json={"value": 1, "name": "n" * 256},
+                       timeout=30), "bad_reward")
+    refused(httpx.post(gw.url + f"/rollouts/{rid}/reward", json={"value": 1, "name": "a\u0000"},
+                       timeout=30), "bad_reward")
+    refused(httpx.post(gw.url + f"/rollouts/{rid}/reward", json={"value": 1, "name": 5}, timeout=30), "bad_reward")
+    refused(httpx.get(gw.url + "/rollouts/a%00b", timeout=30), "bad_rollout_id")
+    refused(httpx.get(gw.url + "/rollouts/" + "a" * 65, timeout=30), "bad_rollout_id")
     assert store.rewards(rid) == []
     # A failure's message is kept, whatever it holds.
     done = httpx.post(gw.url + f"/rollouts/{rid}/fail", json={"error": "tool said \u0000 and died"}, timeout=30)
@@ -74,9 +76,9 @@ def test_text_a_database_refuses_is_a_400_not_a_503(gw: Gateway, store: TraceSto
 
 def test_admin_numbers_out_of_range_are_a_400(gw: Gateway, store: TraceStore) -> None:
     for body in ({"policy_version": 2**40}, {"policy_version": -1}):
-        r = httpx.post(gw.url + "/admin/resume", json=body)
+        r = httpx.post(gw.url + "/admin/resume", json=body, timeout=30)
         assert r.status_code == 400, r.text
     for body in ({"timeout": 1e300}, {"timeout": -1}, {"timeout": "soon"}):
-        r = httpx.post(gw.url + "/admin/pause", json=body)
+        r = httpx.post(gw.url + "/admin/pause", json=body, timeout=30)
         assert r.status_code == 400, r.text
     assert gw.state()["paused"] is False and gw.policy_version == 1

@@ -30,7 +30,7 @@ def _gateway(llm_server: LLMTestServer, store: TraceStore) -> Gateway:
 
 def _open(gw: Gateway) -> str:
     rid = "ck-" + uuid.uuid4().hex[:10]
-    httpx.post(gw.url + "/rollouts", json={"id": rid, "task_id": "t"}).raise_for_status()
+    httpx.post(gw.url + "/rollouts", json={"id": rid, "task_id": "t"}, timeout=30).raise_for_status()
     return rid
 
 

@@ -38,7 +38,7 @@ def _rid() -> str:
 
 def _create(gw: Gateway, rid: str | None = None, task: str = "task", **kw) -> dict:
     r = httpx.post(gw.url + "/rollouts", json={"id": rid or _rid(), "task_id": task, **kw},
-                   headers=_auth(gw))
+                   headers=_auth(gw), timeout=30)
     assert r.status_code in (200, 201), r.text
     return r.json()
 
@@ -76,8 +76,8 @@ def gw_lite(llm_server: LLMTestServer, sqlite_store: TraceStore) -> Iterator[Gat
 
 def test_openai_sdk_rollout_lifecycle(gw: Gateway, store: TraceStore, llm_server: LLMTestServer) -> None:
     rid = _rid()
-    first = httpx.post(gw.url + "/rollouts", json={"id": rid, "task_id": "t-1", "input": {"q": 4}})
-    again = httpx.post(gw.url + "/rollouts", json={"id": rid, "task_id": "t-1"})
+    first = httpx.post(gw.url + "/rollouts", json={"id": rid, "task_id": "t-1", "input": {"q": 4}}, timeout=30)
+    again = httpx.post(gw.url + "/rollouts", json={"id": rid, "task_id": "t-1"}, timeout=30)
     assert (first.status_code, again.status_code) == (201, 200)
     assert first.json()["base_url"] == gw.rollout_base_url(rid) and again.json()["created"] is False
 
@@ -88,11 +88,12 @@ def test_openai_sdk_rollout_lifecycle(gw: Gateway, store: TraceStore, llm_server
     assert raw.headers["x-lightning-policy-version"] == "1"
     # The caller's response is what the engine answered to the same (injected) request.
     direct = httpx.post(llm_server.base_url + "/chat/completions", json={
-        "model": "m", "messages": MSGS, "max_tokens": 50, "return_token_ids": True, "logprobs": True}).json()
+        "model": "m", "messages": MSGS, "max_tokens": 50, "return_token_ids": True, "logprobs": True},
+            timeout=30).json()
     via = json.loads(raw.http_response.content)
     assert {k: v for k, v in via.items() if k != "created"} == {k: v for k, v in direct.items() if k != "created"}
 
-    assert httpx.post(gw.url + f"/rollouts/{rid}/reward", json={"value": 0.75}).status_code == 200
+    assert httpx.post(gw.url + f"/rollouts/{rid}/reward", json={"value": 0.75}, timeout=30).status_code == 200
     done = _finish(gw, rid)
     assert done.status_code == 200 and done.json()["status"] == "succeeded"
     [call] = store.calls(rid)
@@ -103,7 +104,7 @@ def test_openai_sdk_rollout_lifecycle(gw: Gateway, store: TraceStore, llm_server
     assert "return_token_ids" not in call.request and call.request["messages"] == MSGS
     ro = store.get_rollout(rid)
     assert ro.status == "succeeded" and ro.final_reward == 0.75 and ro.input == {"q": 4} and ro.task_id == "t-1"
-    assert httpx.get(gw.url + f"/rollouts/{rid}").json()["status"] == "succeeded"
+    assert httpx.get(gw.url + f"/rollouts/{rid}", timeout=30).json()["status"] == "succeeded"
 
 
 def test_streaming_passes_chunks_through_and_captures_tokens(gw: Gateway, store: TraceStore) -> None:
@@ -154,9 +155,9 @@ def test_completions_models_and_header_addressing(gw_lite: Gateway, sqlite_store
     assert [m.id for m in openai.OpenAI(base_url=gw_lite.rollout_base_url(rid), api_key="x").models.list()] == [
         "test-model"]
     mismatch = httpx.post(gw_lite.rollout_base_url(rid) + "/chat/completions", json={"model": "m", "messages": MSGS},
-                          headers={"x-rollout-id": "other"})
+                          headers={"x-rollout-id": "other"}, timeout=30)
     assert mismatch.status_code == 400 and "disagrees" in mismatch.json()["error"]["message"]
-    unattached = httpx.post(gw_lite.base_url + "/chat/completions", json={"model": "m", "messages": MSGS})
+    unattached = httpx.post(gw_lite.base_url + "/chat/completions", json={"model": "m", "messages": MSGS}, timeout=30)
     assert unattached.status_code == 200
     _finish(gw_lite, rid)
     [call] = sqlite_store.calls(rid)
@@ -199,7 +200,7 @@ def test_curl_against_the_cli_gateway(llm_server: LLMTestServer, tmp_path) -> No
         deadline = time.monotonic() + 20
         while True:
             try:
-                if httpx.get(url + "/health").status_code == 200:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -249,33 +250,39 @@ def test_clear_json_errors(gw_lite: Gateway) -> None:
         assert resp.json()["error"]["code"] == code and resp.json()["error"]["message"]
 
     chat = {"model": "m", "messages": MSGS}
-    err(httpx.post(base + "/rollouts/nope/v1/chat/completions", json=chat), 404, "rollout_not_found")
-    err(httpx.post(base + "/v1/chat/completions", json=chat, headers={"x-rollout-id": "nope"}), 404,
+    err(httpx.post(base + "/rollouts/nope/v1/chat/completions", json=chat, timeout=30), 404, "rollout_not_found")
+    err(httpx.post(base + "/v1/chat/completions", json=chat, headers={"x-rollout-id": "nope"}, timeout=30), 404,
         "rollout_not_found")
-    err(httpx.post(base + "/rollouts", json={"id": "x"}), 400, "bad_task_id")
-    err(httpx.post(base + "/rollouts", json={"id": "bad id!", "task_id": "t"}), 400, "bad_rollout_id")
-    err(httpx.post(base + "/rollouts", json={"task_id": "t", "mode": "eval"}), 400, "bad_mode")
+    err(httpx.post(base + "/rollouts", json={"id": "x"}, timeout=30), 400, "bad_task_id")
+    err(httpx.post(base + "/rollouts", json={"id": "bad id!", "task_id": "t"}, timeout=30), 400, "bad_rollout_id")
+    err(httpx.post(base + "/rollouts", json={"task_id": "t", "mode": "eval"}, timeout=30), 400, "bad_mode")
     rid = _create(gw_lite, task="a")["id"]
-    err(httpx.post(base + "/rollouts", json={"id": rid, "task_id": "b"}), 409, "rollout_conflict")
-    err(httpx.post(base + f"/rollouts/{rid}/v1/chat/completions", content=b"{oops"), 400, "invalid_json")
-    err(httpx.post(base + f"/rollouts/{rid}/v1/chat/completions", json=[1, 2]), 400, "invalid_json")
+    err(httpx.post(base + "/rollouts", json={"id": rid, "task_id": "b"}, timeout=30), 409, "rollout_conflict")
+    err(httpx.post(base + f"/rollouts/{rid}/v1/chat/completions", content=b"{oops", timeout=30), 400, "invalid_json")
+    err(httpx.post(base + f"/rollouts/{rid}/v1/chat/completions", json=[1, 2], timeout=30), 400, "invalid_json")
     err(httpx.post(base + f"/rollouts/{rid}/v1/chat/completions",
-                   json={"model": "m", "messages": [{"role": "user", "content": "x" * 70000}]}), 413, "body_too_large")
-    err(httpx.post(base + f"/rollouts/{rid}/reward", json={"value": "high"}), 400, "bad_reward")
-    err(httpx.post(base + f"/rollouts/{rid}/reward", json={"value": True}), 400, "bad_reward")
-    err(httpx.post(base + f"/rollouts/{rid}/reward", content=b'{"value": NaN}'), 400, "invalid_json")  # not JSON
-    err(httpx.post(base + f"/rollouts/{rid}/finish", json={"status": "great"}), 400, "bad_status")
-    assert httpx.post(base + f"/rollouts/{rid}/fail", json={"error": "tool crashed"}).json()["status"] == "failed"
-    assert httpx.post(base + f"/rollouts/{rid}/fail", json={"error": "tool crashed"}).status_code == 200  # retried
+                   json={"model": "m", "messages": [{"role": "user", "content": "x" * 70000}]},
+                       timeout=30), 413, "body_too_large")
+    err(httpx.post(base + f"/rollouts/{rid}/reward", json={"value": "high"}, timeout=30), 400, "bad_reward")
+    err(httpx.post(base + f"/rollouts/{rid}/reward", json={"value": True}, timeout=30), 400, "bad_reward")
+    err(httpx.post(base + f"/rollouts/{rid}/reward", content=b'{"value": NaN}',
+                   timeout=30), 400, "invalid_json")  # not JSON
+    err(httpx.post(base + f"/rollouts/{rid}/finish", json={"status": "great"}, timeout=30), 400, "bad_status")
+    assert httpx.post(base + f"/rollouts/{rid}/fail", json={"error": "tool crashed"},
+                      timeout=30).json()["status"] == "failed"
+    assert httpx.post(base + f"/rollouts/{rid}/fail", json={"error": "tool crashed"},
+                      timeout=30).status_code == 200  # retried
     err(_finish(gw_lite, rid), 409, "rollout_finished")
-    err(httpx.post(base + f"/rollouts/{rid}/v1/chat/completions", json=chat), 409, "rollout_finished")
-    err(httpx.post(base + f"/rollouts/{rid}/reward", json={"value": 1, "call_index": -1}), 400, "bad_call_index")
-    err(httpx.post(base + f"/rollouts/{rid}/reward", json={"value": 1, "call_index": 0, "final": True}), 400,
-        "bad_call_index")
-    late = httpx.post(base + f"/rollouts/{rid}/reward", json={"value": 1})  # kept after the finish (docs/rewards.md)
+    err(httpx.post(base + f"/rollouts/{rid}/v1/chat/completions", json=chat, timeout=30), 409, "rollout_finished")
+    err(httpx.post(base + f"/rollouts/{rid}/reward", json={"value": 1, "call_index": -1},
+                   timeout=30), 400, "bad_call_index")
+    err(httpx.post(base + f"/rollouts/{rid}/reward", json={"value": 1, "call_index": 0, "final": True},
+                   timeout=30), 400, "bad_call_index")
+    late = httpx.post(base + f"/rollouts/{rid}/reward", json={"value": 1},
+                      timeout=30)  # kept after the finish (docs/rewards.md)
     assert late.status_code == 200 and late.json()["late"] is True and late.json()["applied"] is True
-    err(httpx.get(base + "/nowhere"), 404, "not_found")
-    err(httpx.get(base + "/v1/chat/completions"), 405, "method_not_allowed")
+    err(httpx.get(base + "/nowhere", timeout=30), 404, "not_found")
+    err(httpx.get(base + "/v1/chat/completions", timeout=30), 405, "method_not_allowed")
 
 
 @pytest.mark.parametrize("depth", [20_000, 1_500, 1_000])
@@ -290,7 +297,7 @@ def test_deeply_nested_bodies_are_a_400_not_a_500(gw_lite: Gateway, sqlite_store
     assert r.json()["error"]["message"]
     if depth > 1024:
         assert r.json()["error"]["code"] == "invalid_json" and "nested" in r.json()["error"]["message"]
-    assert httpx.get(gw_lite.url + "/health").status_code == 200  # still up
+    assert httpx.get(gw_lite.url + "/health", timeout=30).status_code == 200  # still up
     _finish(gw_lite, rid)
     assert not any(c.is_training for c in sqlite_store.calls(rid))
 
@@ -309,12 +316,14 @@ def test_idempotency_key_replays_the_stored_response(gw: Gateway, store: TraceSt
     assert a.http_response.content == b.http_response.content
     assert b.headers.get("x-lightning-replayed") == "1" and "x-lightning-replayed" not in a.headers
     conflict = httpx.post(gw.rollout_base_url(rid) + "/chat/completions", json={"model": "m", "messages": []},
-                          headers={"Idempotency-Key": "k1"})
+                          headers={"Idempotency-Key": "k1"}, timeout=30)
     assert conflict.status_code == 409 and conflict.json()["error"]["code"] == "idempotency_conflict"
     # A streamed call replays as the same event stream.
     body = {"model": "m", "messages": [{"role": "user", "content": "s"}], "stream": True}
-    s1 = httpx.post(gw.rollout_base_url(rid) + "/chat/completions", json=body, headers={"Idempotency-Key": "k2"})
-    s2 = httpx.post(gw.rollout_base_url(rid) + "/chat/completions", json=body, headers={"Idempotency-Key": "k2"})
+    s1 = httpx.post(gw.rollout_base_url(rid) + "/chat/completions", json=body, headers={"Idempotency-Key": "k2"},
+                    timeout=30)
+    s2 = httpx.post(gw.rollout_base_url(rid) + "/chat/completions", json=body, headers={"Idempotency-Key": "k2"},
+                    timeout=30)
     assert s1.content == s2.content and s1.content.rstrip().endswith(b"[DONE]")
     _finish(gw, rid)
     calls = store.calls(rid)
@@ -361,7 +370,7 @@ def test_failed_upstream_attempts_are_recorded_not_trained(gw_lite: Gateway, sql
     rid = _create(gw_lite)["id"]
     flaky = [{"role": "user", "content": f"flaky {uuid.uuid4().hex[:6]}"}]
     r = httpx.post(gw_lite.rollout_base_url(rid) + "/chat/completions", json={"model": "m", "messages": flaky},
-                   headers={"x-test-fail-times": "1"})
+                   headers={"x-test-fail-times": "1"}, timeout=30)
     assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
     assert "HTTP 500" in r.json()["error"]["message"] and "injected failure" in r.json()["error"]["message"]
     client = openai.OpenAI(base_url=gw_lite.rollout_base_url(rid), api_key="x", max_retries=3)
@@ -391,7 +400,8 @@ def test_upstream_down_is_502_and_stalled_is_504(sqlite_store: TraceStore, llm_s
     dead = f"http://127.0.0.1:{free_port()}/v1"
     with Gateway([dead], sqlite_store, health_interval_s=0) as gw:
         rid = _create(gw)["id"]
-        r = httpx.post(gw.rollout_base_url(rid) + "/chat/completions", json={"model": "m", "messages": MSGS})
+        r = httpx.post(gw.rollout_base_url(rid) + "/chat/completions", json={"model": "m", "messages": MSGS},
+                       timeout=30)
         assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unreachable"
         assert "ConnectError" in r.json()["error"]["message"]
         _finish(gw, rid, status="failed")
@@ -401,7 +411,8 @@ def test_upstream_down_is_502_and_stalled_is_504(sqlite_store: TraceStore, llm_s
     try:
         with Gateway([hole.url], sqlite_store, health_interval_s=0, upstream_timeout_s=0.5) as gw:
             rid = _create(gw)["id"]
-            r = httpx.post(gw.rollout_base_url(rid) + "/chat/completions", json={"model": "m", "messages": MSGS})
+            r = httpx.post(gw.rollout_base_url(rid) + "/chat/completions", json={"model": "m", "messages": MSGS},
+                           timeout=30)
             assert r.status_code == 504 and r.json()["error"]["type"] == "upstream_timeout"
             _finish(gw, rid, status="failed")
             [call] = sqlite_store.calls(rid)
@@ -411,7 +422,7 @@ def test_upstream_down_is_502_and_stalled_is_504(sqlite_store: TraceStore, llm_s
     with Gateway([llm_server.base_url], sqlite_store, health_interval_s=0, upstream_timeout_s=0.3) as gw:
         rid = _create(gw)["id"]
         r = httpx.post(gw.rollout_base_url(rid) + "/chat/completions",
-                       json={"model": "m", "messages": MSGS, "stream": True}, headers={"x-test-delay": "1"})
+                       json={"model": "m", "messages": MSGS, "stream": True}, headers={"x-test-delay": "1"}, timeout=30)
         assert r.status_code == 504
         _finish(gw, rid, status="failed")
         [call] = sqlite_store.calls(rid)
@@ -431,7 +442,8 @@ def test_sticky_routing_health_and_failover(llm_server: LLMTestServer, sqlite_st
             for turn in range(3):
                 for rid in rids:
                     r = httpx.post(gw.rollout_base_url(rid) + "/chat/completions",
-                                   json={"model": "m", "messages": [{"role": "user", "content": f"turn {turn}"}]})
+                                   json={"model": "m", "messages": [{"role": "user", "content": f"turn {turn}"}]},
+                                       timeout=30)
                     assert r.status_code == 200
                     served.setdefault(rid, set()).add(r.headers["x-lightning-upstream"])
             assert all(len(s) == 1 for s in served.values())  # each rollout stays on one replica
@@ -439,12 +451,12 @@ def test_sticky_routing_health_and_failover(llm_server: LLMTestServer, sqlite_st
             second.stop()
             for rid in rids:  # the lost replica's rollouts move, the others stay
                 r = httpx.post(gw.rollout_base_url(rid) + "/chat/completions",
-                               json={"model": "m", "messages": [{"role": "user", "content": "after"}]})
+                               json={"model": "m", "messages": [{"role": "user", "content": "after"}]}, timeout=30)
                 assert r.status_code == 200 and r.headers["x-lightning-upstream"] == "0"
             deadline = time.monotonic() + 5
             while gw.state()["upstreams"][1]["healthy"] and time.monotonic() < deadline:
                 time.sleep(0.05)
-            state = httpx.get(gw.url + "/admin/state").json()
+            state = httpx.get(gw.url + "/admin/state", timeout=30).json()
             assert [u["healthy"] for u in state["upstreams"]] == [True, False]
             for rid in rids:
                 _finish(gw, rid)
@@ -488,13 +500,13 @@ def test_pause_during_a_stream_drains_it_and_versions_calls(gw: Gateway, store: 
     t = threading.Thread(target=stream)
     t.start()
     assert first_chunk.wait(10)
-    assert httpx.get(gw.url + "/admin/state").json()["in_flight"] == 1
+    assert httpx.get(gw.url + "/admin/state", timeout=30).json()["in_flight"] == 1
     pausing = threading.Thread(target=pause)
     pausing.start()
     deadline = time.monotonic() + 10
-    while not httpx.get(gw.url + "/admin/state").json()["paused"] and time.monotonic() < deadline:
+    while not httpx.get(gw.url + "/admin/state", timeout=30).json()["paused"] and time.monotonic() < deadline:
         time.sleep(0.01)
-    state = httpx.get(gw.url + "/admin/state").json()
+    state = httpx.get(gw.url + "/admin/state", timeout=30).json()
     assert state["paused"] and state["in_flight"] == 1 and "paused" not in got  # the pause waits on the stream
     llm_server.release(hold)
     pausing.join(20)
@@ -505,13 +517,13 @@ def test_pause_during_a_stream_drains_it_and_versions_calls(gw: Gateway, store: 
     waiting = threading.Thread(target=later_call)
     waiting.start()
     deadline = time.monotonic() + 10
-    while httpx.get(gw.url + "/admin/state").json()["waiting"] < 1 and time.monotonic() < deadline:
+    while httpx.get(gw.url + "/admin/state", timeout=30).json()["waiting"] < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    state = httpx.get(gw.url + "/admin/state").json()
+    state = httpx.get(gw.url + "/admin/state", timeout=30).json()
     assert state["waiting"] == 1 and "later" not in got  # it reached the gateway and waits out the pause
     assert state["paused"] and state["in_flight"] == 0
     resumed_at = time.monotonic()
-    assert httpx.post(gw.url + "/admin/resume", json={"policy_version": 2}).json()["policy_version"] == 2
+    assert httpx.post(gw.url + "/admin/resume", json={"policy_version": 2}, timeout=30).json()["policy_version"] == 2
     waiting.join(10)
     assert got["later"][0] >= resumed_at and got["later"][1] == "2"
     _finish(gw, rid)
@@ -526,8 +538,9 @@ def test_new_version_applies_to_calls_started_after_it(gw: Gateway, store: Trace
     with httpx.stream("POST", url, json=body, headers={"x-test-delay": "0.03"}, timeout=30) as r:
         chunks = r.iter_raw()
         next(chunks)
-        assert httpx.post(gw.url + "/admin/resume", json={"policy_version": 5}).json()["policy_version"] == 5
-        after = httpx.post(url, json={"model": "m", "messages": MSGS})
+        assert httpx.post(gw.url + "/admin/resume", json={"policy_version": 5},
+                          timeout=30).json()["policy_version"] == 5
+        after = httpx.post(url, json={"model": "m", "messages": MSGS}, timeout=30)
         rest = b"".join(chunks)
     assert r.headers["x-lightning-policy-version"] == "1" and rest.rstrip().endswith(b"[DONE]")
     assert after.headers["x-lightning-policy-version"] == "5"
@@ -539,16 +552,16 @@ def test_new_version_applies_to_calls_started_after_it(gw: Gateway, store: Trace
 def test_pause_reject_mode_and_wait_bound(llm_server: LLMTestServer, sqlite_store: TraceStore) -> None:
     with Gateway([llm_server.base_url], sqlite_store, pause_wait_s=0.3, retry_after_s=3) as gw:
         chat = {"model": "m", "messages": MSGS}
-        paused = httpx.post(gw.url + "/admin/pause", json={"wait": False, "mode": "reject"}).json()
+        paused = httpx.post(gw.url + "/admin/pause", json={"wait": False, "mode": "reject"}, timeout=30).json()
         assert paused["paused"] and paused["pause_mode"] == "reject"
-        r = httpx.post(gw.base_url + "/chat/completions", json=chat)
+        r = httpx.post(gw.base_url + "/chat/completions", json=chat, timeout=30)
         assert r.status_code == 429 and r.headers["retry-after"] == "3" and r.json()["error"]["type"] == "paused"
-        httpx.post(gw.url + "/admin/pause", json={"wait": False, "mode": "wait"})
+        httpx.post(gw.url + "/admin/pause", json={"wait": False, "mode": "wait"}, timeout=30)
         t0 = time.monotonic()
-        r = httpx.post(gw.base_url + "/chat/completions", json=chat)
+        r = httpx.post(gw.base_url + "/chat/completions", json=chat, timeout=30)
         assert r.status_code == 429 and 0.25 < time.monotonic() - t0 < 3
-        assert httpx.post(gw.url + "/admin/resume").status_code == 200
-        assert httpx.post(gw.base_url + "/chat/completions", json=chat).status_code == 200
+        assert httpx.post(gw.url + "/admin/resume", timeout=30).status_code == 200
+        assert httpx.post(gw.base_url + "/chat/completions", json=chat, timeout=30).status_code == 200
         assert gw.state()["counters"]["rejected_paused"] == 2
 
 
@@ -570,12 +583,13 @@ def test_non_loopback_bind_needs_a_token(sqlite_store: TraceStore) -> None:
 def test_token_required_and_secrets_never_stored(llm_server: LLMTestServer, sqlite_store: TraceStore) -> None:
     token = "gw-secret-token-123"
     with Gateway([llm_server.base_url], sqlite_store, token=token) as gw:
-        assert httpx.get(gw.url + "/health").status_code == 200  # probes need no token
+        assert httpx.get(gw.url + "/health", timeout=30).status_code == 200  # probes need no token
         for method, path in (("POST", "/rollouts"), ("GET", "/admin/state"), ("POST", "/admin/pause"),
                              ("POST", "/v1/chat/completions"), ("GET", "/v1/models")):
-            r = httpx.request(method, gw.url + path, json={})
+            r = httpx.request(method, gw.url + path, json={}, timeout=30)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-        assert httpx.get(gw.url + "/admin/state", headers={"authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(gw.url + "/admin/state", headers={"authorization": "Bearer wrong"},
+                         timeout=30).status_code == 401
         rid = _create(gw)["id"]
         client = openai.OpenAI(base_url=gw.rollout_base_url(rid), api_key=token)
         raw = client.chat.completions.with_raw_response.create(
@@ -612,11 +626,12 @@ def test_admin_client_contract_pause_resume_with_version_and_token(llm_server: L
         assert admin.resume()["policy_version"] == 7  # no version given: it stays
         rid = "r-" + uuid.uuid4().hex[:8]
         auth = {"authorization": "Bearer s3cret"}
-        assert httpx.post(g.url + "/rollouts", json={"id": rid, "task_id": "t"}, headers=auth).status_code == 201
+        assert httpx.post(g.url + "/rollouts", json={"id": rid, "task_id": "t"}, headers=auth,
+                          timeout=30).status_code == 201
         r = httpx.post(g.rollout_base_url(rid) + "/chat/completions", headers=auth,
-                       json={"model": "m", "messages": [{"role": "user", "content": "after the swap"}]})
+                       json={"model": "m", "messages": [{"role": "user", "content": "after the swap"}]}, timeout=30)
         assert r.status_code == 200 and r.headers["x-lightning-policy-version"] == "7"
-        assert httpx.post(g.url + f"/rollouts/{rid}/finish", json={}, headers=auth).status_code == 200
+        assert httpx.post(g.url + f"/rollouts/{rid}/finish", json={}, headers=auth, timeout=30).status_code == 200
         [call] = sqlite_store.calls(rid)
         assert call.policy_version == 7
         assert sqlite_store.get_rollout(rid).policy_version == 7  # created after the resume: version 7
@@ -652,10 +667,11 @@ def test_rendezvous_is_stable_and_moves_only_lost_keys() -> None:
 def test_upstream_client_errors_pass_through(gw_lite: Gateway, sqlite_store: TraceStore) -> None:
     rid = _create(gw_lite)["id"]
     r = httpx.post(gw_lite.rollout_base_url(rid) + "/chat/completions",
-                   json={"model": "m", "messages": MSGS, "bogus_field": 1}, headers={"x-test-strict": "1"})
+                   json={"model": "m", "messages": MSGS, "bogus_field": 1}, headers={"x-test-strict": "1"}, timeout=30)
     assert r.status_code == 400 and "unknown fields" in r.json()["error"]["message"]  # vLLM's own 4xx, as sent
     # the agent's own 400 is not taken for a refusal of the injected fields: later calls train
-    ok = httpx.post(gw_lite.rollout_base_url(rid) + "/chat/completions", json={"model": "m", "messages": MSGS})
+    ok = httpx.post(gw_lite.rollout_base_url(rid) + "/chat/completions", json={"model": "m", "messages": MSGS},
+                    timeout=30)
     assert ok.status_code == 200
     _finish(gw_lite, rid)
     calls = sqlite_store.calls(rid)
@@ -670,7 +686,7 @@ def test_upstream_rejecting_the_injected_fields_never_fails_the_call(gw_lite: Ga
     rid = _create(gw_lite)["id"]
     for i in range(2):
         r = httpx.post(gw_lite.rollout_base_url(rid) + "/chat/completions", headers={"x-test-strict": "1"},
-                       json={"model": "m", "messages": [{"role": "user", "content": f"strict {i}"}]})
+                       json={"model": "m", "messages": [{"role": "user", "content": f"strict {i}"}]}, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == f"echo: strict {i}"
     _finish(gw_lite, rid)
     calls = sqlite_store.calls(rid)
@@ -683,7 +699,7 @@ def test_replay_cache_is_bounded(llm_server: LLMTestServer, sqlite_store: TraceS
         rid = _create(gw)["id"]
         for i in range(40):
             r = httpx.post(gw.rollout_base_url(rid) + "/chat/completions",
-                           json={"model": "m", "messages": [{"role": "user", "content": f"n{i}"}]})
+                           json={"model": "m", "messages": [{"role": "user", "content": f"n{i}"}]}, timeout=30)
             assert r.status_code == 200
         assert len(gw.replay) <= 6
         _finish(gw, rid)
@@ -694,7 +710,7 @@ def test_store_outage_is_a_503(gw_lite: Gateway, sqlite_store: TraceStore, monke
         raise sa.exc.OperationalError("INSERT", {}, Exception("database is gone"))
 
     monkeypatch.setattr(sqlite_store, "create_rollout", down)
-    r = httpx.post(gw_lite.url + "/rollouts", json={"task_id": "t"})
+    r = httpx.post(gw_lite.url + "/rollouts", json={"task_id": "t"}, timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable" and r.headers["retry-after"]
 
 

@@ -26,7 +26,7 @@ def gw(llm_server: LLMTestServer, store: TraceStore) -> Iterator[Gateway]:
 
 def _rollout(gw: Gateway) -> str:
     rid = "r-" + uuid.uuid4().hex[:12]
-    assert httpx.post(gw.url + "/rollouts", json={"id": rid, "task_id": "t"}).status_code == 201
+    assert httpx.post(gw.url + "/rollouts", json={"id": rid, "task_id": "t"}, timeout=30).status_code == 201
     return rid
 
 

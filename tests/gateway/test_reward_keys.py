@@ -24,7 +24,7 @@ def _rid() -> str:
 
 def _open(gw: Gateway) -> str:
     rid = _rid()
-    httpx.post(gw.url + "/rollouts", json={"id": rid, "task_id": "t"}).raise_for_status()
+    httpx.post(gw.url + "/rollouts", json={"id": rid, "task_id": "t"}, timeout=30).raise_for_status()
     return rid
 
 

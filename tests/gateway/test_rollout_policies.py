@@ -87,7 +87,7 @@ def test_a_bad_map_is_a_400_and_stores_nothing(llm_server: LLMTestServer, tmp_pa
     store = TraceStore(f"sqlite:///{tmp_path / 'bad.db'}")
     rid = _rid()
     with Gateway([llm_server.base_url], store, health_interval_s=0) as gw:
-        resp = httpx.post(gw.url + "/rollouts", json={"id": rid, "task_id": "t", **body})
+        resp = httpx.post(gw.url + "/rollouts", json={"id": rid, "task_id": "t", **body}, timeout=30)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["code"] == "bad_policies" and error["param"] == param and param in error["message"]
@@ -100,7 +100,7 @@ def test_the_reserved_metadata_key_and_a_changed_map_are_refused(llm_server: LLM
     rid = _rid()
     with Gateway([llm_server.base_url], store, health_interval_s=0) as gw, GatewayClient(gw.url) as client:
         reserved = httpx.post(gw.url + "/rollouts", json={"id": rid, "task_id": "t",
-                                                          "metadata": {"lightning_policies": {"x": "y"}}})
+                                                          "metadata": {"lightning_policies": {"x": "y"}}}, timeout=30)
         assert reserved.status_code == 400 and reserved.json()["error"]["code"] == "bad_metadata"
         assert store.get_rollout(rid) is None
         assert client.create_rollout("t", rollout_id=rid, policies={"coder": "c1"})["created"]

@@ -65,13 +65,13 @@ def test_with_a_configuration_an_agent_reward_is_no_component(store: TraceStore)
 
 def test_the_gateway_takes_an_agent_field(llm_server: LLMTestServer, store: TraceStore) -> None:
     with Gateway([llm_server.base_url], store, health_interval_s=0.5) as gw:
-        httpx.post(gw.url + "/rollouts", json={"id": "g-a", "task_id": "t"}).raise_for_status()
-        got = httpx.post(gw.url + "/rollouts/g-a/reward", json={"value": 0.7, "agent": "reviewer"}).json()
+        httpx.post(gw.url + "/rollouts", json={"id": "g-a", "task_id": "t"}, timeout=30).raise_for_status()
+        got = httpx.post(gw.url + "/rollouts/g-a/reward", json={"value": 0.7, "agent": "reviewer"}, timeout=30).json()
         assert got["agent"] == "reviewer" and got["final"] is True and got["applied"] is False
         for bad in ("", 7, "x" * 129):
-            err = httpx.post(gw.url + "/rollouts/g-a/reward", json={"value": 1, "agent": bad})
+            err = httpx.post(gw.url + "/rollouts/g-a/reward", json={"value": 1, "agent": bad}, timeout=30)
             assert err.status_code == 400 and err.json()["error"]["code"] == "bad_agent"
-        done = httpx.post(gw.url + "/rollouts/g-a/finish", json={"reward": 0.2}).json()
+        done = httpx.post(gw.url + "/rollouts/g-a/finish", json={"reward": 0.2}, timeout=30).json()
     assert done["final_reward"] == 0.2 and store.agent_rewards(["g-a"]) == {"g-a": {"reviewer": 0.7}}
 
 

@@ -30,25 +30,25 @@ def gateway_turns(base_url: str, token: str = "unused") -> None:
 def test_the_gateway_scores_rollouts_as_they_finish(llm_server: LLMTestServer, store: TraceStore) -> None:
     cfg = RewardConfig.from_dict(CONFIG)
     with Gateway([llm_server.base_url], store, rewards=cfg, health_interval_s=0.5) as gw:
-        ro = httpx.post(gw.url + "/rollouts", json={"id": "g-1", "task_id": "t"}).json()
+        ro = httpx.post(gw.url + "/rollouts", json={"id": "g-1", "task_id": "t"}, timeout=30).json()
         gateway_turns(ro["base_url"])
-        step = httpx.post(gw.url + "/rollouts/g-1/reward", json={"value": 0.5, "call_index": 0}).json()
+        step = httpx.post(gw.url + "/rollouts/g-1/reward", json={"value": 0.5, "call_index": 0}, timeout=30).json()
         assert step["call_index"] == 0 and step["final"] is False and step["late"] is False
-        own = httpx.post(gw.url + "/rollouts/g-1/reward", json={"value": 1.0}).json()
+        own = httpx.post(gw.url + "/rollouts/g-1/reward", json={"value": 1.0}, timeout=30).json()
         assert (own["name"], own["final"]) == ("agent", False)  # an input of the components
-        done = httpx.post(gw.url + "/rollouts/g-1/finish", json={}).json()
+        done = httpx.post(gw.url + "/rollouts/g-1/finish", json={}, timeout=30).json()
         assert done["status"] == "succeeded" and done["final_reward"] == pytest.approx(5.0 + 1.0 + 0.5)
         got = {r.name: r.value for r in store.rewards("g-1") if r.config_hash == cfg.hash}
         assert got == {"task_complete": 1.0, "tool_call_valid": 1.0, "step_reward_sum": 0.5,
                        "repeated_tool_calls": 0.0, "final": 6.5}
 
         # A late reward is kept and combined again, until a trainer takes the rollout.
-        late = httpx.post(gw.url + "/rollouts/g-1/reward", json={"value": 0.0}).json()
+        late = httpx.post(gw.url + "/rollouts/g-1/reward", json={"value": 0.0}, timeout=30).json()
         assert late["late"] is True and late["applied"] is True
         assert store.get_rollout("g-1").final_reward == pytest.approx(1.5)
         store.claim_rollouts(["g-1"], "trainer0")
         store.commit_train_step(TrainStep(step=1, rollout_ids=("g-1",), trainer_id="trainer0"))
-        again = httpx.post(gw.url + "/rollouts/g-1/reward", json={"value": 1.0}).json()
+        again = httpx.post(gw.url + "/rollouts/g-1/reward", json={"value": 1.0}, timeout=30).json()
         assert again["late"] is True and again["applied"] is False
         assert store.get_rollout("g-1").final_reward == pytest.approx(1.5)
         assert [r.value for r in store.rewards("g-1") if r.name == "agent"] == [1.0, 0.0, 1.0]
@@ -61,16 +61,16 @@ def test_agent_reward_false_refuses_a_rollouts_own_reward(llm_server: LLMTestSer
     cfg = RewardConfig.from_dict({**scored, "agent_reward": False})
     assert cfg.hash == RewardConfig.from_dict(scored).hash  # who may report is not part of the scoring
     with Gateway([llm_server.base_url], store, rewards=cfg, health_interval_s=0.5) as gw:
-        ro = httpx.post(gw.url + "/rollouts", json={"id": "g-own", "task_id": "t"}).json()
+        ro = httpx.post(gw.url + "/rollouts", json={"id": "g-own", "task_id": "t"}, timeout=30).json()
         gateway_turns(ro["base_url"])
-        own = httpx.post(gw.url + "/rollouts/g-own/reward", json={"value": 100.0})
+        own = httpx.post(gw.url + "/rollouts/g-own/reward", json={"value": 100.0}, timeout=30)
         assert own.status_code == 403 and own.json()["error"]["code"] == "reward_refused"
         keyed = httpx.post(gw.url + "/rollouts/g-own/reward", json={"value": 100.0},
-                           headers={"idempotency-key": "k1"})
+                           headers={"idempotency-key": "k1"}, timeout=30)
         assert keyed.status_code == 403
-        finish_with = httpx.post(gw.url + "/rollouts/g-own/finish", json={"reward": 100.0})
+        finish_with = httpx.post(gw.url + "/rollouts/g-own/finish", json={"reward": 100.0}, timeout=30)
         assert finish_with.status_code == 403
-        done = httpx.post(gw.url + "/rollouts/g-own/finish", json={}).json()
+        done = httpx.post(gw.url + "/rollouts/g-own/finish", json={}, timeout=30).json()
         assert done["status"] == "succeeded" and done["final_reward"] == pytest.approx(1.0 + 2.0)
     assert not [r for r in store.rewards("g-own") if r.name == "agent"]
     events = store.events(kind="reward_refused")

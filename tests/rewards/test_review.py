@@ -90,12 +90,12 @@ def test_the_api_refuses_bad_labels_and_loses_nothing(labelled_store: TraceStore
     store = labelled_store
     rid = store.query_rollouts()[0].id
     with serve(build_app(store, scorer=Scorer(CONFIG), token="label-test-token")) as url:
-        assert httpx.get(url + "/").status_code == 200  # the page itself holds no data
-        assert httpx.get(url + "/api/next").status_code == 401
+        assert httpx.get(url + "/", timeout=30).status_code == 200  # the page itself holds no data
+        assert httpx.get(url + "/api/next", timeout=30).status_code == 401
         auth = {"authorization": "Bearer label-test-token"}
 
         def err(path: str, body: dict, status: int, code: str) -> None:
-            resp = httpx.post(url + path, json=body, headers=auth)
+            resp = httpx.post(url + path, json=body, headers=auth, timeout=30)
             assert resp.status_code == status and resp.json()["error"]["code"] == code, resp.text
 
         err(f"/api/rollouts/{rid}/score", {"score": 7}, 400, "bad_score")
@@ -105,14 +105,16 @@ def test_the_api_refuses_bad_labels_and_loses_nothing(labelled_store: TraceStore
         err("/api/compare", {"a": rid, "b": rid, "winner": "a"}, 400, "bad_pair")
         other = store.query_rollouts()[1].id
         err("/api/compare", {"a": rid, "b": other, "winner": "both"}, 400, "bad_winner")
-        bad_json = httpx.post(url + f"/api/rollouts/{rid}/score", content=b"{nope", headers=auth)
+        bad_json = httpx.post(url + f"/api/rollouts/{rid}/score", content=b"{nope", headers=auth, timeout=30)
         assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
         assert all(_human(store, r.id) == [] for r in store.query_rollouts())
-        ok = httpx.post(url + "/api/compare", json={"a": rid, "b": other, "winner": "tie"}, headers=auth).json()
+        ok = httpx.post(url + "/api/compare", json={"a": rid, "b": other, "winner": "tie"}, headers=auth,
+                        timeout=30).json()
         assert ok["stored"] == 2 and set(ok["final_rewards"]) == {rid, other}
         assert [v for v, _ in _human(store, rid)] == [0.5]
-        assert httpx.get(url + f"/api/rollouts/{rid}", headers=auth).json()["rollout"]["labels"][0]["kind"] == "compare"
-        stats = httpx.get(url + "/api/stats", headers=auth).json()
+        assert httpx.get(url + f"/api/rollouts/{rid}", headers=auth,
+                         timeout=30).json()["rollout"]["labels"][0]["kind"] == "compare"
+        stats = httpx.get(url + "/api/stats", headers=auth, timeout=30).json()
         assert (stats["rollouts"], stats["labelled"], stats["config_hash"]) == (3, 2, CONFIG.hash)
 
 

@@ -40,19 +40,20 @@ def test_review_page_on_the_gateway(llm_server: LLMTestServer, tmp_path: Path) -
     with Gateway([llm_server.base_url], store, rewards=CONFIG, token=TOKEN, health_interval_s=0.5) as gw:
         for rid, q in quality.items():
             ro = httpx.post(gw.url + "/rollouts", json={"id": rid, "task_id": "t", "input": {"quality": q}},
-                            headers=AUTH).json()
+                            headers=AUTH, timeout=30).json()
             gateway_turns(ro["base_url"], token=TOKEN)
-            httpx.post(gw.url + f"/rollouts/{rid}/finish", json={}, headers=AUTH).raise_for_status()
+            httpx.post(gw.url + f"/rollouts/{rid}/finish", json={}, headers=AUTH, timeout=30).raise_for_status()
         assert store.get_rollout("r-1").final_reward == pytest.approx(1.0 + 0.9)  # no label yet
 
         # The API: the gateway's token, like its other admin routes; bad input loses nothing.
-        assert httpx.get(gw.url + "/review").status_code == 200  # the page itself holds no data
-        assert httpx.get(gw.url + "/review/api/next").status_code == 401
-        assert httpx.post(gw.url + "/review/api/rollouts/r-1/score", json={"score": 1}).status_code == 401
-        bad = httpx.post(gw.url + "/review/api/rollouts/r-1/score", json={"score": 3}, headers=AUTH)
+        assert httpx.get(gw.url + "/review", timeout=30).status_code == 200  # the page itself holds no data
+        assert httpx.get(gw.url + "/review/api/next", timeout=30).status_code == 401
+        assert httpx.post(gw.url + "/review/api/rollouts/r-1/score", json={"score": 1}, timeout=30).status_code == 401
+        bad = httpx.post(gw.url + "/review/api/rollouts/r-1/score", json={"score": 3}, headers=AUTH, timeout=30)
         assert bad.status_code == 400 and _human(store, "r-1") == []
         for rid, score in (("r-1", 0.8), ("r-2", 0.3)):
-            ok = httpx.post(gw.url + f"/review/api/rollouts/{rid}/score", json={"score": score}, headers=AUTH).json()
+            ok = httpx.post(gw.url + f"/review/api/rollouts/{rid}/score", json={"score": score}, headers=AUTH,
+                            timeout=30).json()
             assert ok["final_rewards"] == {rid: pytest.approx(1.0 + quality[rid] + 2.0 * score)}
         assert store.get_rollout("r-1").final_reward == pytest.approx(1.0 + 0.9 + 1.6)
 
@@ -72,7 +73,7 @@ def test_review_page_on_the_gateway(llm_server: LLMTestServer, tmp_path: Path) -
         assert _human(store, "r-3") == [0.4]
         assert store.get_rollout("r-3").final_reward == pytest.approx(1.0 + 0.5 + 2.0 * 0.4)
 
-        agreement = httpx.get(gw.url + "/review/api/stats", headers=AUTH).json()["agreement"]
+        agreement = httpx.get(gw.url + "/review/api/stats", headers=AUTH, timeout=30).json()["agreement"]
         # model 0.9 > 0.5 > 0.1 and people 0.8 > 0.4 > 0.3: the same order, rank correlation 1
         assert agreement["n"] == 3 and agreement["rank_correlation"] == pytest.approx(1.0)
         assert "rank correlation 1.00" in stats
