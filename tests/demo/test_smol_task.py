@@ -12,6 +12,7 @@ from trainer_backend.demo.arith import (
     SMOLLM2_TOOLS_TEMPLATE,
     calculate,
     final_number,
+    held_out_problems,
     make_problems,
     reward,
 )
@@ -27,6 +28,32 @@ def test_problems_are_seeded_split_and_exact() -> None:
         assert calculate(p["expression"]) == str(p["answer"])
         assert p["answer"] > 0 and str(p["expression"].split()[0]) in p["question"]
     assert {p["expression"].split()[1] for p in a} == {"+", "-", "*"}
+
+
+def test_held_out_problems_ask_no_question_a_train_or_warm_start_problem_asks() -> None:
+    """The arithmetic demo's split as `lightning-mw demo --task arith` builds it: seed 0's first 128
+    eval problems include one train problem word for word; the held-out set skips it, keeps the
+    stream's order, and is the same at every call."""
+    from lightning_middleware.cli import build_parser
+    from trainer_backend.demo.cli import config_from
+    from trainer_backend.demo.smol import SmolDemoRun
+    from trainer_backend.demo.smol_warm import arith_demonstrations
+
+    run = SmolDemoRun(config_from(build_parser().parse_args(["demo", "--task", "arith", "--seed", "0"])))
+    train = {p["question"] for p in run.train_tasks}
+    ws = run._warm_start_config()
+    shown = {m[1]["content"] for m, _ in arith_demonstrations(ws.steps * ws.batch, ws.seed)}
+    asked = [p["question"] for p in run.eval_tasks]
+    assert len(asked) == len(set(asked)) == 128 and not set(asked) & (train | shown)
+    raw = make_problems(128, 0, "eval")
+    assert sum(p["question"] in train | shown for p in raw) >= 1
+    skipped = run.results["held_out"]["skipped_seen_or_repeated"]
+    indices = [int(p["task_id"].removeprefix("eval-")) for p in run.eval_tasks]
+    assert skipped >= 1 and indices == sorted(indices) and indices[-1] == 127 + skipped
+    assert run.eval_tasks == held_out_problems(128, 0, train | shown)[0]
+    with pytest.raises(ValueError, match="only 1 of 20 eval problems"):  # all but the first already asked
+        held_out_problems(2, 0, {p["question"] for p in make_problems(20, 0, "eval")[1:]})
+    assert held_out_problems(0, 0, set()) == ([], 0)
 
 
 @pytest.mark.parametrize(("expr", "out"), [("412 - 178", "234"), (" 23*17 ", "391"), ("-3 + 5", "2"),

@@ -5,7 +5,9 @@ story ("A shop had 412 apples and sold 178. How many apples are left?"); the num
 enough that a 135M model cannot do the sum in its head, so it must call `calculator` with the
 right expression and then answer with the result. Reward 1 when the last number of the final
 answer equals the exact result, else 0. Train and held-out problems come from separate seeded
-streams (`make_problems(n, seed, "train" | "eval")`).
+streams (`make_problems(n, seed, "train" | "eval")`), and `held_out_problems` drops the eval
+problems whose question a train or warm-start problem asks: separate streams can still draw the
+same story, name and numbers (1 of seed 0's first 128 eval problems was a train problem).
 
 Also here: SmolLM2's own tool-call format as a chat template. SmolLM2-Instruct was trained on
 function calling (Synth-APIGen) with a system prompt that lists the tools inside `<tools>` and
@@ -20,7 +22,7 @@ import ast
 import operator
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 TOOL_NAME = "calculator"
@@ -105,6 +107,27 @@ def make_problems(n: int, seed: int, split: str) -> list[dict[str, Any]]:
         answer = a + b if op == "+" else a - b if op == "-" else a * b
         out.append({"task_id": f"{split}-{i}", "question": question, "answer": answer, "expression": f"{a} {op} {b}"})
     return out
+
+
+def held_out_problems(n: int, seed: int, seen: Collection[str]) -> tuple[list[dict[str, Any]], int]:
+    """The first `n` eval problems of `seed` that ask no question in `seen` (the train and warm-start
+    questions) and none twice; with how many were skipped. Problem i of a stream is the same at any
+    length, so the set is as deterministic as `make_problems`."""
+    asked = set(seen)
+    kept: list[dict[str, Any]] = []
+    limit = 2 * n + 16  # a skip is rare: 1 of seed 0's first 128
+    for i, problem in enumerate(make_problems(limit, seed, "eval")):
+        if len(kept) == n:
+            break
+        if problem["question"] not in asked:
+            asked.add(problem["question"])
+            kept.append(problem)
+            if len(kept) == n:
+                return kept, i + 1 - n
+    if len(kept) < n:
+        raise ValueError(f"only {len(kept)} of {limit} eval problems of seed {seed} ask a question no train or "
+                         f"warm-start problem asks")
+    return kept, 0
 
 
 def calculate(expression: Any) -> str:

@@ -23,7 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_middleware import TraceStore, wrap
 from lightning_middleware.controller import RolloutController, RolloutResult
-from trainer_backend.demo.arith import SYSTEM, TOOL_DESCRIPTION, TOOL_PARSER, calculate, make_problems, reward
+from trainer_backend.demo.arith import (
+    SYSTEM,
+    TOOL_DESCRIPTION,
+    TOOL_PARSER,
+    calculate,
+    held_out_problems,
+    make_problems,
+    reward,
+)
 from trainer_backend.demo.run import DemoConfig, DemoRun, say
 from trainer_backend.demo.smol_warm import Demonstration, SmolWarmStart, arith_demonstrations
 from trainer_backend.serving.publisher import WeightPublisher
@@ -145,8 +153,23 @@ class SmolDemoRun(DemoRun):
         cfg = replace(cfg, concurrency=min(cfg.concurrency, MAX_CONCURRENCY))
         super().__init__(cfg)
         self.lora_rank = int(cfg.extra.get("lora_rank", 0))
-        self.eval_tasks = make_problems(cfg.eval_tasks, cfg.seed, "eval")
-        self.train_tasks = make_problems(cfg.train_tasks, cfg.seed, "train")
+        self._split()
+
+    def _split(self) -> None:
+        """The train and held-out tasks (each task its own): here the arithmetic problems, none held
+        out that a train or warm-start problem asks."""
+        self.train_tasks = make_problems(self.cfg.train_tasks, self.cfg.seed, "train")
+        seen = {t["question"] for t in self.train_tasks} | self._shown_questions()
+        self.eval_tasks, skipped = held_out_problems(self.cfg.eval_tasks, self.cfg.seed, seen)
+        self.results["held_out"] = {"items": len(self.eval_tasks), "skipped_seen_or_repeated": skipped}
+
+    def _shown_questions(self) -> set[str]:
+        """The questions the SFT warm start shows with their answers (none where a model folder
+        replaces it): a held-out task must ask none of them."""
+        ws = self._warm_start_config()
+        if self.model_dir is not None or ws.steps <= 0:
+            return set()
+        return {messages[1]["content"] for messages, _ in self._demonstrations()(ws.steps * ws.batch, ws.seed)}
 
     def warm_start(self) -> None:
         from trainer_backend.caching import lightning_home

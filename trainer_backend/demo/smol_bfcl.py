@@ -90,16 +90,19 @@ class BfclDemoRun(SmolDemoRun):
 
     def __init__(self, cfg: DemoConfig) -> None:
         super().__init__(cfg)
-        train = [t for address in TRAIN for t in bfcl.tasks(address)]
-        random.Random(f"bfcl:train:{cfg.seed}").shuffle(train)
-        self.train_tasks = train
-        held_out = [t for address in HELD_OUT for t in bfcl.tasks(address)]
-        self.eval_tasks = held_out[:cfg.eval_tasks]
         self.unseen_tasks = bfcl.tasks(UNSEEN)
         self.warm_start_name = warm_start_name()  # the cache bench/bench_bfcl.py's --warm-start shares
         # the benchmark's checker scores every rollout; the agent's own word is refused
         self.reward_config = RewardConfig.from_dict(RULES)
         self.results["rewards"] = {"config": self.reward_config.describe(), "hash": self.reward_config.hash}
+
+    def _split(self) -> None:
+        # BFCL's own split (TRAIN and HELD_OUT are disjoint item lists: no question in both)
+        train = [t for address in TRAIN for t in bfcl.tasks(address)]
+        random.Random(f"bfcl:train:{self.cfg.seed}").shuffle(train)
+        self.train_tasks = train
+        held_out = [t for address in HELD_OUT for t in bfcl.tasks(address)]
+        self.eval_tasks = held_out[:self.cfg.eval_tasks]
 
     def _demonstrations(self) -> Callable[[int, int], list[Demonstration]]:
         return demonstrations

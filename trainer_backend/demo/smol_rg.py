@@ -122,20 +122,20 @@ class ReasoningDemoRun(SmolDemoRun):
     outcomes = staticmethod(outcomes)
 
     def __init__(self, cfg: DemoConfig) -> None:
+        address = self.address = str(cfg.extra["rg"])  # before the split, which reads it
         super().__init__(cfg)
-        address = str(cfg.extra["rg"])
-        self.train_tasks = reasoning.tasks(split(address, cfg.train_tasks, TRAIN_SEED + cfg.seed))
-        self.address = address
-        ws = self._warm_start_config()  # the items it shows with their answers are not held out
-        shown = self._demonstrations()(ws.steps * ws.batch, ws.seed) if self.model_dir is None and ws.steps > 0 else []
-        seen = {t["question"] for t in self.train_tasks} | {m[1]["content"] for m, _ in shown}
-        self.eval_tasks, skipped = held_out(address, cfg.eval_tasks, EVAL_SEED + cfg.seed, seen)
-        self.results["held_out"] = {"items": len(self.eval_tasks), "skipped_seen_or_repeated": skipped}
         # the cache names the dataset and its config: another task is another warm start
         name = reasoning.parse(address).name
         self.warm_start_name = f"smol-rg-{name}-{hashlib.sha256(split(address, 1, 0).encode()).hexdigest()[:8]}"
         self.reward_config = RewardConfig.from_dict(RULES)
         self.results["rewards"] = {"config": self.reward_config.describe(), "hash": self.reward_config.hash}
+
+    def _split(self) -> None:
+        cfg = self.cfg
+        self.train_tasks = reasoning.tasks(split(self.address, cfg.train_tasks, TRAIN_SEED + cfg.seed))
+        seen = {t["question"] for t in self.train_tasks} | self._shown_questions()
+        self.eval_tasks, skipped = held_out(self.address, cfg.eval_tasks, EVAL_SEED + cfg.seed, seen)
+        self.results["held_out"] = {"items": len(self.eval_tasks), "skipped_seen_or_repeated": skipped}
 
     def _demonstrations(self) -> Callable[[int, int], list[Demonstration]]:
         return demonstrations_for(self.address)
