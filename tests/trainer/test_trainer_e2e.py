@@ -87,3 +87,4 @@ def test_daemon_trains_publishes_and_the_server_moves(vllm_server, tied_checkpoi
     new_calls = store.calls_for([r.id for r in new], training_only=True)
     assert {r.policy_version for r in new} == {1}
     assert {c.policy_version for cs in new_calls.values() for c in cs} == {1}
+    store.close()  # its writer and WAL-checkpoint threads end with it (the suite lists threads left running)
