@@ -58,7 +58,8 @@ def test_server_command_and_urls(tmp_path: Path) -> None:
     server = VLLMServer(tmp_path, python=sys.executable, extra_args=["--seed", "3"], device="cpu")
     cmd = server.command()
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    for flag in ("--enforce-eager", "--enable-auto-tool-choice", "--worker-extension-cls"):
+    for flag in ("--enforce-eager", "--enable-auto-tool-choice", "--worker-extension-cls",
+                 "--enable-scale-out", "--enable-prompt-tokens-details"):  # the token-in scoring route
         assert flag in cmd
     assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes"
     smol = VLLMServer(tmp_path, python=sys.executable, device="cpu", tool_parser="xlam").command()

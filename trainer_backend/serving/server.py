@@ -145,6 +145,10 @@ class VLLMServer:
             # temperature was sampled at 1 as the trainer assumes (lightning_middleware/rows.py).
             "--logprobs-mode", "processed_logprobs",
             "--generation-config", "vllm",
+            # The token-in endpoint (/inference/v1/generate) takes any SamplingParams, among them
+            # prompt log-probs that read the prefix cache (the OpenAI routes recompute every prompt),
+            # and usage then says how many prompt tokens the cache held.
+            "--enable-scale-out", "--enable-prompt-tokens-details",
         ]  # fmt: skip
         if self.max_lora_rank:
             cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
