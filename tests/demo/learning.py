@@ -61,6 +61,9 @@ def served_logprobs(server_url: str, model: str, ids: Sequence[int], *, read_cac
               "skip_reading_prefix_cache": not read_cache}
     body = {"model": model, "token_ids": list(ids), "sampling_params": params, "output_mode": "tokens"}
     reply = httpx.post(f"{server_url}/inference/v1/generate", json=body, timeout=300)
+    if read_cache and reply.status_code == 400 and "not JSON compliant" in reply.text:
+        # one of those uninitialised values was a NaN or an infinity, which the server cannot send
+        return served_logprobs(server_url, model, ids, read_cache=False)
     reply.raise_for_status()
     out = reply.json()
     cached = ((out.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
