@@ -24,13 +24,16 @@ def test_reading_the_prefix_cache_gives_the_full_computations_log_probs(vllm_ser
     httpx.post(f"{vllm_server.url}/reset_prefix_cache", timeout=30).raise_for_status()  # other tests' prompts
     rng = random.Random(7)
     prompt = [rng.randrange(10, 200) for _ in range(300)]  # a group's shared prompt
-    rows = [prompt + [rng.randrange(10, 200) for _ in range(12)] for _ in range(3)]
+    rows = [prompt + [rng.randrange(10, 200) for _ in range(12)] for _ in range(8)]
     first = served_logprobs(vllm_server.url, SERVED_NAME, rows[0])
     full = [served_logprobs(vllm_server.url, SERVED_NAME, row, read_cache=False) for row in rows]
     again = [served_logprobs(vllm_server.url, SERVED_NAME, row) for row in rows[1:]]
     assert None not in full[0] and full[0] == pytest.approx(openai_route_logprobs(vllm_server.url, rows[0]), abs=1e-5)
     assert first == pytest.approx(full[0], abs=1e-5)  # nothing cached yet: all computed
+    read = 0  # rows that read the cache: a row whose cached positions the server cannot send is computed in full
     for row, got, want in zip(rows[1:], again, full[1:]):
         cached = [i for i, value in enumerate(got) if value is None]
-        assert cached and cached == list(range(1, len(cached) + 1)) and len(cached) < len(prompt)
+        read += bool(cached)
+        assert cached == list(range(1, len(cached) + 1)) and len(cached) < len(prompt)
         assert all(got[i] == pytest.approx(want[i], abs=1e-5) for i in range(len(cached) + 1, len(row)))
+    assert read >= 1
