@@ -106,20 +106,22 @@ def test_cli_registers_demo() -> None:
     assert (team.lr, team.lr_end, team.task) == (2e-3, 1e-3, "team")  # LoRA adapters' recipe
 
 
-def undecodable_turns(db: Path) -> int:
-    """Trained rollouts' tool-calling turns sampled as bytes that are not valid UTF-8: the server
-    decodes them to U+FFFD, so exact_history has no text to send back as sampled."""
-    import json
+def undecodable_turns(db: Path, model_dir: str) -> int:
+    """Trained rollouts' turns sent back in a later request whose sampled tokens are not valid UTF-8:
+    the server decodes them to U+FFFD, so exact_history has no text to send back as sampled. The
+    bytes can sit in text the tool parser drops (after `</tool_call>`), so the sampled tokens are
+    decoded here, not the parsed message (a genuine U+FFFD sampled as valid UTF-8 would count too)."""
+    from transformers import AutoTokenizer
 
     from lightning_middleware import TraceStore
 
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     store = TraceStore(f"sqlite:///{db}")
     try:
         n = 0
         for r in store.query_rollouts(mode="train"):
-            for c in store.calls(r.id):
-                message = (c.response or {}).get("choices", [{}])[0].get("message") or {}
-                n += bool(message.get("tool_calls")) and "\ufffd" in json.dumps(message, ensure_ascii=False)
+            turns = sorted(store.calls(r.id), key=lambda c: c.call_index)[:-1]  # the last is never sent back
+            n += sum("\ufffd" in tokenizer.decode(c.completion_token_ids or []) for c in turns)
         return n
     finally:
         store.close()
@@ -156,7 +158,7 @@ def test_short_demo_learns(tmp_path: Path) -> None:
     # The one form no text API can send back: a sampled turn whose tokens' bytes are not valid UTF-8
     # (a lone byte token decodes to U+FFFD); every break must be one of those.
     breaks = sum(c.get("rows_prefix_breaks", 0) for c in res["curve"])
-    unsendable = undecodable_turns(tmp_path / "demo" / "traces.db")
+    unsendable = undecodable_turns(tmp_path / "demo" / "traces.db", res["model_dir"])
     assert sum(c.get("rows_merges", 0) for c in res["curve"]) > 0
     assert breaks <= unsendable, f"{breaks} prefix breaks, {unsendable} of them from undecodable samples"
     assert sum(c.get("rows_calls_used", 0) for c in res["curve"]) > sum(c["rollouts"] for c in res["curve"])
