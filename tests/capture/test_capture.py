@@ -312,7 +312,7 @@ def test_connection_errors_are_recorded_and_raised_as_usual(store: TraceStore) -
 
 def test_bare_httpx_client(llm_server: LLMTestServer, store: TraceStore) -> None:
     """Over a real socket: a bare httpx client with its own connection pool."""
-    client = wrap(httpx.Client(base_url=llm_server.base_url), store=store)
+    client = wrap(httpx.Client(base_url=llm_server.base_url, timeout=30), store=store)
     with rollout("httpx", store=store) as r:
         resp = client.post("/chat/completions", json={"model": "m", "messages": MSGS})
         assert resp.json()["choices"][0]["message"]["content"] == "echo: what is 2+2?"
