@@ -24,6 +24,7 @@ from trainer_backend.demo.smol_rg import (
     make_rg_agent,
     outcomes,
     split,
+    split_seed,
 )
 
 pytest.importorskip("reasoning_gym", reason="the set-up installs the benchmarks extra")
@@ -44,13 +45,27 @@ def test_held_out_items_ask_no_question_a_train_or_warm_start_item_asks() -> Non
         shown = {m[1]["content"] for m, _ in demonstrations_for(address)(6 * 4, 0)}
         asked = [t["question"] for t in run.eval_tasks]
         assert len(asked) == len(set(asked)) == 256 and not set(asked) & (train | shown)
-        raw = [t["question"] for t in reasoning.tasks(split(address, 256, EVAL_SEED + 1))]
+        raw = [t["question"] for t in reasoning.tasks(split(address, 256, split_seed(EVAL_SEED, 1)))]
         skipped = run.results["held_out"]["skipped_seen_or_repeated"]
         assert sum(q in train for q in raw) > 0 and skipped >= sum(q in train for q in raw)
         indices = [t["rg"]["index"] for t in run.eval_tasks]
         assert indices == sorted(indices) and indices[-1] == 255 + skipped
         assert [t["task_id"] for t in run.eval_tasks] == [t["task_id"] for t in held_out(
-            address, 256, EVAL_SEED + 1, train | shown)[0]]
+            address, 256, split_seed(EVAL_SEED, 1), train | shown)[0]]
+
+
+def test_each_run_seed_draws_its_own_questions() -> None:
+    """reasoning-gym's item i of seed S is Random(S + i): with seeds one apart, runs 0 and 1 shared
+    255 of 256 held-out questions and their whole train set. Strided, they share what chance gives."""
+    from lightning_middleware.cli import build_parser
+    from trainer_backend.demo.cli import config_from
+
+    runs = [ReasoningDemoRun(config_from(build_parser().parse_args(["demo", "--task", TASK, "--seed", str(k)])))
+            for k in (0, 1)]
+    held = [{t["question"] for t in run.eval_tasks} for run in runs]
+    train = [{t["question"] for t in run.train_tasks} for run in runs]
+    assert len(held[0] & held[1]) < 64 and len(train[0] & train[1]) < 0.9 * len(train[0])
+    assert split_seed(TRAIN_SEED, 0) == TRAIN_SEED and split_seed(EVAL_SEED, 0) == EVAL_SEED  # seed 0 as before
 
 
 def test_a_dataset_too_small_for_its_held_out_set_says_so_in_one_line() -> None:

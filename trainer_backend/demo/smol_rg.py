@@ -6,9 +6,9 @@ scored by the dataset's own `score_answer`.
 The address names the dataset and its own config keys (lightning_middleware/benchmarks/reasoning.py);
 the demo sets each split's size and seed:
 
-- train: `size = train_tasks`, seed `TRAIN_SEED + seed`;
-- warm start: seed `SFT_SEED + warm_start_seed`, items shown with their answers;
-- held out: `eval_tasks` items of seed `EVAL_SEED + seed`, a seed never trained on, each asking a
+- train: `size = train_tasks`, seed `split_seed(TRAIN_SEED, seed)`;
+- warm start: seed `split_seed(SFT_SEED, warm_start_seed)`, items shown with their answers;
+- held out: `eval_tasks` items of seed `split_seed(EVAL_SEED, seed)`, a seed never trained on, each asking a
   question that no train or warm-start item asks, and none asked twice. Seeds alone do not keep
   items apart: a small dataset draws the same questions again (chain_sum with 2-3 one-digit terms:
   166 of a seed's first 256 items appear among another seed's 4,096), so `held_out` skips them.
@@ -39,6 +39,15 @@ RULES: dict[str, Any] = {"rules": {"rg": {"function": "lightning_middleware.benc
                                           "weight": 1.0}},
                          "agent_reward": False}
 TRAIN_SEED, EVAL_SEED, SFT_SEED = 0, 1_000_000, 2_000_000  # each split its own seeds (and held_out)
+# reasoning-gym draws item i of dataset seed S from Random(S + i): seed 1's items would be seed 0's
+# shifted by one, so a run's seed moves its splits by more than any split draws (held_out: <= 4,096
+# for 64 items, 16,384 for 256) and than the bases above are apart.
+SEED_STRIDE = 10_000_000
+
+
+def split_seed(base: int, seed: int) -> int:
+    """The dataset seed of a split (`base`: TRAIN_SEED, EVAL_SEED or SFT_SEED) for a run's `seed`."""
+    return base + seed * SEED_STRIDE
 SFT_STEPS = 6
 MAX_TOKENS = 64
 
@@ -77,7 +86,7 @@ def held_out(address: str, size: int, seed: int, seen: Collection[str]) -> tuple
 def demonstrations_for(address: str) -> Callable[[int, int], list[Demonstration]]:
     """The warm start's demonstrations: `n` items of the SFT seed, answered in tags."""
     def demonstrations(n: int, seed: int) -> list[Demonstration]:
-        a = reasoning.parse(split(address, n, SFT_SEED + seed))
+        a = reasoning.parse(split(address, n, split_seed(SFT_SEED, seed)))
         ds = reasoning.dataset(a)
         return [([{"role": "system", "content": SYSTEM}, {"role": "user", "content": ds[i]["question"]},
                   {"role": "assistant", "content": f"<answer>{ds[i]['answer']}</answer>"}], [])
@@ -132,9 +141,9 @@ class ReasoningDemoRun(SmolDemoRun):
 
     def _split(self) -> None:
         cfg = self.cfg
-        self.train_tasks = reasoning.tasks(split(self.address, cfg.train_tasks, TRAIN_SEED + cfg.seed))
+        self.train_tasks = reasoning.tasks(split(self.address, cfg.train_tasks, split_seed(TRAIN_SEED, cfg.seed)))
         seen = {t["question"] for t in self.train_tasks} | self._shown_questions()
-        self.eval_tasks, skipped = held_out(self.address, cfg.eval_tasks, EVAL_SEED + cfg.seed, seen)
+        self.eval_tasks, skipped = held_out(self.address, cfg.eval_tasks, split_seed(EVAL_SEED, cfg.seed), seen)
         self.results["held_out"] = {"items": len(self.eval_tasks), "skipped_seen_or_repeated": skipped}
 
     def _demonstrations(self) -> Callable[[int, int], list[Demonstration]]:
