@@ -76,6 +76,8 @@ def test_a_dataset_too_small_for_its_held_out_set_says_so_in_one_line() -> None:
     assert "\n" not in str(err.value)
     some, skipped = held_out(tiny, 20, EVAL_SEED, set())  # with nothing trained on, only repeats skip
     assert len({t["question"] for t in some}) == 20 and some[-1]["rg"]["index"] == 19 + skipped
+    with pytest.raises(ValueError, match="at least 1, got 0"):  # it walked forever before
+        held_out(tiny, 0, EVAL_SEED, set())
 
 
 def test_each_split_has_its_own_seed_and_keeps_the_datasets_config() -> None:
@@ -133,3 +135,15 @@ def test_the_command_line_takes_a_reasoning_gym_address() -> None:
         with pytest.raises(SystemExit):
             build_parser().parse_args(["demo", "--task", bad])
     assert run_cli(build_parser().parse_args(["demo", "--task", TASK, "--model", "/some/folder"])) == 2
+
+
+@pytest.mark.parametrize("flag", ["--eval-tasks", "--groups-per-step", "--group-size", "--groups-in-flight"])
+@pytest.mark.parametrize("value", ["0", "-3", "two"])
+def test_a_count_flag_below_one_is_refused_in_one_line(flag: str, value: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_middleware.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--task", TASK, flag, value])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert flag in err and repr(value) in err

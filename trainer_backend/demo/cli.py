@@ -49,6 +49,17 @@ def task_name(value: str) -> str:
                                      "dataset, with its config keys: rg:NAME?KEY=VALUE)")
 
 
+def positive(value: str) -> int:
+    """A count flag's value: a whole number of at least 1 (0 held-out tasks or groups has no run)."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: at least 1")
+    return n
+
+
 def is_smol(task: str) -> bool:
     return task in SMOL_TASKS or task.startswith("rg:")
 
@@ -63,10 +74,10 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--minutes", type=float, default=None, help=f"RL time budget (default {d.minutes:g}; arith 20)")
     p.add_argument("--sync", action="store_true", help="sync RL (no rollouts during updates), for comparison")
     recipe = "default {}; --task arith: its own recipe (ARITH_RECIPE, docs/demo.md)"
-    p.add_argument("--eval-tasks", type=int, default=None, help=recipe.format(d.eval_tasks))
-    p.add_argument("--groups-per-step", type=int, default=None, help=recipe.format(d.groups_per_step))
-    p.add_argument("--group-size", type=int, default=None, help=recipe.format(d.group_size))
-    p.add_argument("--groups-in-flight", type=int, default=None, help=recipe.format(d.groups_in_flight))
+    p.add_argument("--eval-tasks", type=positive, default=None, help=recipe.format(d.eval_tasks))
+    p.add_argument("--groups-per-step", type=positive, default=None, help=recipe.format(d.groups_per_step))
+    p.add_argument("--group-size", type=positive, default=None, help=recipe.format(d.group_size))
+    p.add_argument("--groups-in-flight", type=positive, default=None, help=recipe.format(d.groups_in_flight))
     p.add_argument("--max-staleness", type=int, default=d.max_staleness)
     p.add_argument("--lr", type=float, default=None,
                    help=f"peak learning rate (default {d.lr:g}; the team task's LoRA adapters: {TEAM_LR[0]:g})")

@@ -62,6 +62,8 @@ def held_out(address: str, size: int, seed: int, seen: Collection[str]) -> tuple
     """The first `size` items of seed `seed` whose question is not in `seen` (the train and
     warm-start questions) and not asked by an earlier one; with how many items were skipped.
     reasoning-gym's item i of a seed is the same at any size, so the walk is deterministic."""
+    if size < 1:  # no walk ends at 0 items found
+        raise ValueError(f"held-out size must be at least 1, got {size}")
     seen = set(seen)
     limit = max(64 * size, 4096)  # chain_sum's 2-3 one-digit terms: ~1 novel question in 3 items
     n = 2 * size
