@@ -9,7 +9,11 @@ conditions, `activeDeadlineSeconds`, `ttlSecondsAfterFinished`, deleting a pod k
 `faults(job) -> str | None` makes a pod fail as a cluster can: "image_pull" (ErrImagePull, then
 ImagePullBackOff; it never starts), "oom" (killed, OOMKilled), "evict" (Failed, reason Evicted),
 "node_lost" (DisruptionTarget, then the pod is deleted), "slow_start:<s>" (starts after s seconds,
-like a slow image pull: the Job's deadline counts from its start). `kill_pod(pid, fault)` does
+like a slow image pull: the Job's deadline counts from its start), "oom_at_exit" (the container runs
+to its end, then is reported OOMKilled, as when the kernel kills a process in its teardown). The pod
+of an "oom", "evict" or "node_lost" fault is Running for `fault_delay_s`, its process held before it
+starts the command, so the fault always lands before the rollout can end, however loaded the
+machine (a loop woken late once let a fast agent finish first). `kill_pod(pid, fault)` does
 "oom", "evict" or "node_lost" to the running pod whose process is `pid`, at the moment a test
 chooses (mid-batch). `instant=True` runs nothing: every container "exits" 0 at once reporting
 succeeded rollouts with reward 1.0 (to measure what the controller costs per Job,
@@ -213,6 +217,9 @@ class Kubelet:
         name = pod["metadata"]["name"]
         term_log = str(Path(self._tmp.name) / f"{name}.termination-log")
         argv = list(container.get("command") or []) + list(container.get("args") or [])
+        killed = fault in ("oom", "evict", "node_lost")
+        if killed:  # stopped before exec: the kill below cannot come after the agent's end
+            argv = ["/bin/sh", "-c", 'kill -STOP $$; exec "$@"', "sh", *argv]
         proc = await asyncio.create_subprocess_exec(*argv, env=self._env(ns, container, term_log), cwd=self.workdir,
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
                                                     start_new_session=True)
@@ -226,10 +233,9 @@ class Kubelet:
                                    "state": {"running": {"startedAt": started}}}]}})
         logs = self.store.logs.setdefault((ns, name), [])
         reader = asyncio.ensure_future(self._read(proc, logs))
-        if fault in ("oom", "evict", "node_lost"):
+        if killed:
             await asyncio.sleep(self.fault_delay_s)
-            if proc.returncode is None:
-                proc.kill()
+            _kill_if_running(proc)
         try:
             code = await proc.wait()
         except asyncio.CancelledError:  # the Job's deadline
@@ -240,6 +246,8 @@ class Kubelet:
             await asyncio.gather(reader, return_exceptions=True)
             self._procs.pop((ns, name), None)
         fault = self._forced.pop((ns, name), fault)
+        if fault == "oom_at_exit":  # killed after its work: what the kubelet sees is an OOM kill
+            code, fault = -signal.SIGKILL, "oom"
         self._terminated(ns, name, base, started, code, fault, term_log, logs)
         return code == 0 and fault is None
 

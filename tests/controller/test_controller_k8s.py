@@ -111,6 +111,24 @@ def test_failures_are_classified_and_infrastructure_ones_retried(cluster: Cluste
                 and p["status"].get("containerStatuses", [{}])[0].get("state", {}).get("waiting")]  # pull: deleted
 
 
+def test_a_pod_killed_after_its_rollout_succeeded_keeps_the_rollout(cluster: Cluster, llm_server: LLMTestServer,
+                                                                   sq: TraceStore, caplog: pytest.LogCaptureFixture
+                                                                   ) -> None:
+    """An OOM kill in the pod's teardown, after the worker ended its rollout: the store has the whole
+    rollout, so it is the outcome, and no retry samples the task a second time."""
+    api, _ = cluster
+    [task] = A.make_tasks(llm_server, sq, 1)
+    task["fault"] = "oom_at_exit"
+    with RolloutController("tests.controller.controller_agents:tool_agent", store=sq, backend=_backend(api),
+                           concurrency=1, timeout_s=60, retry=RetryPolicy(max_attempts=2, backoff_s=0.05)) as c:
+        [res] = c.run([task])
+        [pod] = api.objects("pods")  # before close() deletes it
+    assert res.status == "succeeded" and res.attempts == 1 and res.reward == 1.0, res
+    assert [r.status for r in sq.query_rollouts()] == ["succeeded"] and len(sq.calls(res.rollout_id)) == 2
+    assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] == "OOMKilled"  # the fault landed
+    assert "failed after the rollout succeeded" in caplog.text
+
+
 def test_concurrency_limit_pause_and_drain(cluster: Cluster, llm_server: LLMTestServer, sq: TraceStore) -> None:
     api, kubelet = cluster
     backend = _backend(api, max_jobs=2)
@@ -163,7 +181,7 @@ def test_a_signal_deletes_the_runs_jobs(cluster: Cluster, llm_server: LLMTestSer
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode != 0, out
     assert api.objects("jobs") == [] and api.objects("pods") == [], out
-    end = time.monotonic() + 10
+    end = time.monotonic() + 30
     while kubelet.active and time.monotonic() < end:
         time.sleep(0.05)
     assert kubelet.active == 0  # the pods' processes were stopped
