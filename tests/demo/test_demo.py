@@ -6,6 +6,7 @@ several runs (docs/demo.md, "CI test").
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -104,6 +105,23 @@ def test_cli_registers_demo() -> None:
     assert config_from(build_parser().parse_args(["demo", "--lr-end", "0"])).lr_end is None  # 0: constant lr
     team = config_from(build_parser().parse_args(["demo", "--task", "team"]))
     assert (team.lr, team.lr_end, team.task) == (2e-3, 1e-3, "team")  # LoRA adapters' recipe
+
+
+def test_rl_samples_at_the_training_temperature(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_middleware.cli import build_parser
+    from trainer_backend.demo.cli import config_from
+    from trainer_backend.demo.run import DemoConfig, DemoRun
+
+    cfg = config_from(build_parser().parse_args(["demo", "--train-temperature", "0.6", "--out", str(tmp_path / "a")]))
+    run = DemoRun(dataclasses.replace(cfg, train_tasks=8, eval_tasks=2))
+    assert {t["temperature"] for t in run.rl_tasks()} == {0.6} and len(run.rl_tasks()) == 8
+    assert all("temperature" not in t for t in run.train_tasks + run.eval_tasks)  # evaluations set their own
+    plain = DemoRun(DemoConfig(out_dir=str(tmp_path / "b"), train_tasks=2, eval_tasks=2))
+    assert {t["temperature"] for t in plain.rl_tasks()} == {1.0}
+    for bad in ("0", "-1", "2.5", "warm"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["demo", "--train-temperature", bad])
+        assert repr(bad) in capsys.readouterr().err
 
 
 def undecodable_turns(db: Path, model_dir: str) -> int:

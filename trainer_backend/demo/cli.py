@@ -60,6 +60,17 @@ def positive(value: str) -> int:
     return n
 
 
+def temperature(value: str) -> float:
+    """--train-temperature: above 0 (greedy samples of a group are alike: no signal) and at most 2."""
+    try:
+        t = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not 0 < t <= 2:
+        raise argparse.ArgumentTypeError(f"{value!r}: a sampling temperature above 0 and at most 2")
+    return t
+
+
 def is_smol(task: str) -> bool:
     return task in SMOL_TASKS or task.startswith("rg:")
 
@@ -99,6 +110,9 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--warm-start-precision", choices=("auto", "bf16", "fp32"), default=d.warm_start_precision,
                    help="warm-start SFT precision (auto: bf16 only where the CPU computes it natively and faster)")
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy evaluations")
+    p.add_argument("--train-temperature", type=temperature, default=d.train_temperature, metavar="T",
+                   help="the RL rollouts' sampling temperature (default %(default)g; the evaluations run at 1 "
+                        "and greedy): below 1, training samples nearer what a greedy agent does")
     p.add_argument("--rewards", default=None, metavar="FILE",
                    help="guess task: score every rollout under this reward configuration (TOML/JSON, "
                         "docs/rewards.md; examples/rewards/) and train on its final reward; the evaluation "
@@ -156,6 +170,7 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
                       sft_steps=args.sft_steps, warm_start_precision=args.warm_start_precision,
                       threads=args.threads, model_dir=None if smol else args.model,
                       max_steps=args.max_steps, greedy=not args.no_greedy, rewards=args.rewards,
+                      train_temperature=args.train_temperature,
                       extra={**({"lora_rank": args.lora_rank} if smol and args.lora_rank > 0 else {}),
                              **({"rg": args.task} if args.task.startswith("rg:") else {})},
                       progress=sys.stderr.isatty() or os.environ.get("LIGHTNING_PROGRESS") == "1")

@@ -91,6 +91,9 @@ class DemoConfig:
     warm_start_precision: str = "auto"  # bf16 autocast where native and faster, else fp32
     model_dir: str | None = None  # start from this HF folder instead of the cached warm start
     greedy: bool = True  # also evaluate greedily
+    # the RL rollouts' sampling temperature (the evaluations keep T=1 and greedy); the trainer scores
+    # each token at its call's temperature, so the PPO ratio stays against what vLLM sampled
+    train_temperature: float = 1.0
     concurrency: int = 128
     threads: int | None = None  # torch threads in the trainer (None: 1 in async mode, all cores in sync)
     max_steps: int | None = None  # RL budget in steps (the lr decays over it); `minutes` still caps the time
@@ -269,14 +272,18 @@ class DemoRun:
         self._timer.start()
         t_rl = time.perf_counter()
         if cfg.mode == "async":
-            self._threads = loop.run_async(self.train_tasks)
+            self._threads = loop.run_async(self.rl_tasks())
         else:
-            loop.run_sync(self.train_tasks)
+            loop.run_sync(self.rl_tasks())
         self.timings["rl_s"] = time.perf_counter() - t_rl
         controller.resume()  # the evaluation after RL runs through the same controller
         curve = loop.curve
         self.results.update(curve=curve, steps=len(curve), trained_rollouts=int(sum(c["rollouts"] for c in curve)),
                             skipped_total=dict(daemon.skipped_total))
+
+    def rl_tasks(self) -> list[dict[str, Any]]:
+        """The train tasks as RL samples them: at the run's training temperature."""
+        return [dict(t, temperature=self.cfg.train_temperature) for t in self.train_tasks]
 
     def reward_policy(self) -> RewardPolicy:
         """A ranking judge ranks whole groups, so the trainer scores them (docs/rewards.md):
