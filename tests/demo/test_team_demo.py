@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_middleware.testing import LLMTestServer
+
 # The CI run: CI_STEPS steps and CI_EVAL_TASKS held-out tasks. What it asserts learned is each
 # adapter's served preference for the completions its own per-agent rewards favoured
 # (tests/demo/learning.py): z 9.8 over 576 (rollout, agent) units measured on AVX2, so 3 sits 6.8
@@ -62,3 +64,32 @@ def test_short_team_demo_trains_each_role_on_its_own_adapter(tmp_path: Path) -> 
     assert (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("v*/scout/adapter_model.safetensors"))
     # learned: each adapter moved toward the completions its own rewards favoured
     assert pref.moved > 1e-3 and pref.z >= CI_MIN_Z, pref
+
+
+def test_the_team_is_evaluated_sampled_and_greedy(llm_server: LLMTestServer, tmp_path: Path) -> None:
+    """Issue 32: every proof reports greedy beside T=1. The test LLM never calls the guess tool, so
+    no game is won; each pass's requests carry its temperature, and --no-greedy leaves greedy out."""
+    pytest.importorskip("langgraph")
+    from lightning_middleware import TraceStore
+    from lightning_middleware.controller import RolloutController
+    from trainer_backend.demo.run import DemoConfig
+    from trainer_backend.demo.team import TeamDemoRun, make_team_agent, policies_of
+
+    store = TraceStore(f"sqlite:///{tmp_path / 'store.db'}")
+    try:
+        for greedy in (True, False):
+            run = TeamDemoRun(DemoConfig(out_dir=str(tmp_path / str(greedy)), task="team", eval_tasks=3,
+                                         train_tasks=2, greedy=greedy))
+            with RolloutController(make_team_agent(llm_server.base_url, store, policies_of(False)), store=store,
+                                   concurrency=3) as c:
+                run.controller, run.store = c, store
+                res = run.evaluate(f"before-{greedy}")
+            assert sorted(res) == (["greedy", "sampled"] if greedy else ["sampled"])
+            for kind, want in (("sampled", 1.0), ("greedy", 0.0))[: len(res)]:
+                assert (res[kind]["n"], res[kind]["success"], res[kind]["temperature"]) == (3, 0.0, want)
+                tag = "t1" if kind == "sampled" else "greedy"
+                ids = [r.id for r in store.query_rollouts(limit=100) if r.task_id.endswith(f"before-{greedy}-{tag}")]
+                assert len(ids) == 3
+                assert {c.request["temperature"] for i in ids for c in store.calls(i)} == {want}
+    finally:
+        store.close()

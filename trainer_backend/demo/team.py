@@ -204,9 +204,13 @@ class TeamDemoRun(DemoRun):
             f"on {len(self.eval_tasks)} held-out tasks")
         res = {"sampled": evaluate_team(self.controller, self.store, self.eval_tasks, temperature=1.0,
                                         tag=f"{tag}-t1")}
-        s = res["sampled"]
-        say(f"      team {s['success']:.1%}, scout {s['scout_success']:.1%}, closer {s['closer_success']:.1%} "
-            f"({s['closer_success_after_good_scout']:.1%} after a good scout), sampled (T=1)")
+        if self.cfg.greedy:  # what a deployed team does (issue 32: every proof reports greedy beside T=1)
+            res["greedy"] = evaluate_team(self.controller, self.store, self.eval_tasks, temperature=0.0,
+                                          tag=f"{tag}-greedy")
+        for kind, s in res.items():
+            say(f"      team {s['success']:.1%}, scout {s['scout_success']:.1%}, closer {s['closer_success']:.1%} "
+                f"({s['closer_success_after_good_scout']:.1%} after a good scout), "
+                + ("sampled (T=1)" if kind == "sampled" else "greedy"))
         return res
 
     def report(self) -> dict[str, Any]:
