@@ -124,6 +124,17 @@ def test_rl_samples_at_the_training_temperature(tmp_path: Path, capsys: pytest.C
         assert repr(bad) in capsys.readouterr().err
 
 
+def test_an_evaluation_counts_each_secrets_share_won() -> None:
+    from lightning_middleware.controller import RolloutResult
+    from trainer_backend.demo.agent import by_secret
+
+    tasks = [{"task_id": f"e{i}-g", "secret": s} for i, s in enumerate((3, 5, 3, 9))]
+    results = [RolloutResult(rollout_id=f"r{i}", task_id=t["task_id"], sample_index=0, status="succeeded",
+                             reward=None, error=None, attempts=1, policy_version=None, duration_s=0.0)
+               for i, t in enumerate(reversed(tasks))]  # any order: matched by task id
+    assert by_secret(tasks, results, [True, False, True, True]) == {3: 0.5, 5: 1.0, 9: 1.0}
+
+
 def undecodable_turns(db: Path, model_dir: str) -> int:
     """Trained rollouts' turns sent back in a later request whose sampled tokens are not valid UTF-8:
     the server decodes them to U+FFFD, so exact_history has no text to send back as sampled. The

@@ -123,6 +123,7 @@ def test_evaluation_reports_the_tasks_own_success_under_a_paying_reward(
     assert naive["success"] == 1.0  # what reading the configured reward would claim
     assert res["errors"] == 0, _errors(store)
     assert res["success"] == 0.0 and res["n"] == 4
+    assert res["by_secret"] == {3: 0.0} and naive["by_secret"] == {3: 1.0}  # each secret's share won
     assert res["tool_calls_mean"] == 1.0
     assert res["hacking_rate"] == 1.0 and res["guard_wasted_guesses_rate"] == 1.0  # a call without a number
     assert all(r.reward == 2.0 for r in results)  # the trainer's reward is the combination

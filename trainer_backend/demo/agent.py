@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from lightning_middleware import TraceStore, wrap
-from lightning_middleware.controller import RolloutController
+from lightning_middleware.controller import RolloutController, RolloutResult
 from trainer_backend.demo.outcomes import summarize, task_outcomes
 from trainer_backend.demo.task import MAX_GUESSES, SYSTEM, TOOL_DESCRIPTION, USER, answer
 
@@ -74,9 +74,23 @@ def evaluate(controller: RolloutController, tasks: list[dict[str, Any]], *, temp
     failed = sum(1 for r in results if r.status != "succeeded")
     out: dict[str, Any] = {"n": len(results), "errors": failed, "temperature": temperature}
     if store is None:
-        out["success"] = sum(1 for r in results if r.reward is not None and r.reward >= 1.0) / len(results)
+        won = [r.reward is not None and r.reward >= 1.0 for r in results]
     else:
         outcomes = task_outcomes(store, [r.rollout_id for r in results])
-        out.update(summarize(outcomes), success=sum(o.success for o in outcomes) / len(results))
+        out.update(summarize(outcomes))
+        won = [bool(o.success) for o in outcomes]
+    out["success"] = sum(won) / len(results)
+    out["by_secret"] = by_secret(batch, results, won)
     out["seconds"] = time.perf_counter() - t0
     return out
+
+
+def by_secret(tasks: list[dict[str, Any]], results: list[RolloutResult], won: list[bool]) -> dict[int, float]:
+    """Each secret's share of won episodes. Greedy wins a secret's every episode or none, so at
+    T=0 this is the set of secrets the policy finds, and the held-out success is that set weighted
+    by the seed's draws: it moves in steps of one secret (docs/demo.md, "Greedy success")."""
+    secret = {t["task_id"]: int(t["secret"]) for t in tasks}
+    episodes: dict[int, list[bool]] = {}
+    for r, w in zip(results, won):
+        episodes.setdefault(secret[r.task_id], []).append(w)
+    return {k: sum(v) / len(v) for k, v in sorted(episodes.items())}
