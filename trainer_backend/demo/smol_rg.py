@@ -43,13 +43,13 @@ TRAIN_SEED, EVAL_SEED, SFT_SEED = 0, 1_000_000, 2_000_000  # each split its own 
 # shifted by one, so a run's seed moves its splits by more than any split draws (held_out: <= 4,096
 # for 64 items, 16,384 for 256) and than the bases above are apart.
 SEED_STRIDE = 10_000_000
+SFT_STEPS = 6
+MAX_TOKENS = 64
 
 
 def split_seed(base: int, seed: int) -> int:
     """The dataset seed of a split (`base`: TRAIN_SEED, EVAL_SEED or SFT_SEED) for a run's `seed`."""
     return base + seed * SEED_STRIDE
-SFT_STEPS = 6
-MAX_TOKENS = 64
 
 
 def split(address: str, size: int, seed: int) -> str:
