@@ -68,9 +68,24 @@ def _joined(pieces: list[bytes], n_ids: int, ended_by_eos: bool) -> str | None:
         return None
 
 
-def _ended_by_eos(choice: dict[str, Any]) -> bool:
-    return "stop_reason" in choice and choice["stop_reason"] is None and choice.get("finish_reason") in (
-        "stop", "tool_calls")
+def _ended_by_eos(choice: dict[str, Any], n_ids: int, token_limit: int | None) -> bool:
+    """Is the choice's last token the EOS that ended it? vLLM reports "tool_calls" whenever its
+    parser found a call, also in an answer cut at the request's token limit, whose last token is
+    text: at the limit such an answer counts as cut (an EOS sampled as exactly the last allowed
+    token, which vLLM would have called "stop", cannot be told apart from it there)."""
+    if "stop_reason" not in choice or choice["stop_reason"] is not None:
+        return False  # a stop string or token ended it (or not vLLM): no EOS among the tokens
+    finish = choice.get("finish_reason")
+    return finish == "stop" or (finish == "tool_calls" and (token_limit is None or n_ids < token_limit))
+
+
+def token_limit(request: dict[str, Any]) -> int | None:
+    """The most completion tokens a chat request allows, if it says."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = request.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 # --------------------------------------------------------------------------
@@ -166,7 +181,7 @@ def _extra_choices(choices: list[Any], prompt_ids: list[int], endpoint: str) -> 
     return [out[i] for i in sorted(out)]
 
 
-def parse_body(raw: bytes, endpoint: str, *, sampled_text: bool = False) -> Assembled:
+def parse_body(raw: bytes, endpoint: str, *, sampled_text: bool = False, token_limit: int | None = None) -> Assembled:
     try:
         body = fastjson.loads(raw)
     except ValueError as exc:
@@ -189,7 +204,8 @@ def parse_body(raw: bytes, endpoint: str, *, sampled_text: bool = False) -> Asse
     if sampled_text and endpoint == "chat.completions" and out.completion_token_ids:
         pieces = _token_bytes(first)
         if pieces is not None:
-            out.sampled_text = _joined(pieces, len(out.completion_token_ids), _ended_by_eos(first))
+            n = len(out.completion_token_ids)
+            out.sampled_text = _joined(pieces, n, _ended_by_eos(first, n, token_limit))
     return out
 
 
@@ -200,7 +216,7 @@ def parse_body(raw: bytes, endpoint: str, *, sampled_text: bool = False) -> Asse
 class _StreamChoice:
     """One choice of a stream, rebuilt from the deltas that carry its `index`."""
 
-    def __init__(self, index: int, endpoint: str, sampled_text: bool = False) -> None:
+    def __init__(self, index: int, endpoint: str, sampled_text: bool = False, token_limit: int | None = None) -> None:
         self.index, self.endpoint = index, endpoint
         self.text: list[str] = []
         self.reasoning: list[str] = []
@@ -215,6 +231,7 @@ class _StreamChoice:
         # the sampled text's bytes, per token (None: not asked for, or unreadable)
         self.pieces: list[bytes] | None = [] if sampled_text and endpoint == "chat.completions" else None
         self.ended_by_eos = False
+        self.token_limit = token_limit
 
     def feed(self, choice: dict[str, Any]) -> None:
         if choice.get("prompt_token_ids"):
@@ -238,7 +255,7 @@ class _StreamChoice:
                 self.pieces.extend(pieces)
         if choice.get("finish_reason"):
             self.finish = choice["finish_reason"]
-            self.ended_by_eos = _ended_by_eos(choice)
+            self.ended_by_eos = _ended_by_eos(choice, len(self.token_ids), self.token_limit)
         if self.endpoint == "completions":
             self.text.append(choice.get("text") or "")
             return
@@ -299,16 +316,16 @@ class StreamAssembler:
     With `n` > 1 the chunks of the choices interleave; each is assembled by its `index`.
     """
 
-    def __init__(self, endpoint: str, *, sampled_text: bool = False) -> None:
+    def __init__(self, endpoint: str, *, sampled_text: bool = False, token_limit: int | None = None) -> None:
         self.endpoint = endpoint
-        self.sampled_text = sampled_text
+        self.sampled_text, self.token_limit = sampled_text, token_limit
         self._pending = b""
         self._done = False
         self._head: dict[str, Any] = {}
         self._saw_choice = False  # a chunk with a choice came (a stream of only usage or [DONE] is no answer)
         self._broken: set[int] = set()  # choices a malformed delta came for
         # Choice 0 always exists, so a stream that never sent a choice still records one (as before n > 1).
-        self._choices: dict[int, _StreamChoice] = {0: _StreamChoice(0, endpoint, sampled_text)}
+        self._choices: dict[int, _StreamChoice] = {0: _StreamChoice(0, endpoint, sampled_text, token_limit)}
         self._prompt_ids: list[int] = []
         self._usage: Any = None
         self._errors: list[str] = []
@@ -362,7 +379,8 @@ class StreamAssembler:
                 continue
             slot = self._choices.get(index)
             if slot is None:
-                slot = self._choices[index] = _StreamChoice(index, self.endpoint, self.sampled_text)
+                slot = self._choices[index] = _StreamChoice(index, self.endpoint, self.sampled_text,
+                                                                self.token_limit)
             slot.feed(choice)
 
     def _extra_choices(self, prompt_ids: list[int]) -> list[Choice]:
@@ -406,10 +424,13 @@ class BodyCollector:
     """Feeds raw response bytes to the right parser, decoding content-encoding."""
 
     def __init__(self, endpoint: str, streaming: bool, content_encoding: str | None, *,
-                 sampled_text: bool = False) -> None:
-        self.endpoint, self.sampled_text = endpoint, sampled_text
+                 sampled_text: bool = False, token_limit: int | None = None) -> None:
+        """`sampled_text`: join the answer's sampled text (exact_history); `token_limit`: the
+        request's most completion tokens, to tell a cut answer from one its EOS ended."""
+        self.endpoint, self.sampled_text, self.token_limit = endpoint, sampled_text, token_limit
         self._decode = _Decoder(content_encoding)
-        self._stream = StreamAssembler(endpoint, sampled_text=sampled_text) if streaming else None
+        self._stream = StreamAssembler(endpoint, sampled_text=sampled_text, token_limit=token_limit) \
+            if streaming else None
         self._parts: list[bytes] = []
 
     def feed(self, data: bytes) -> None:
@@ -426,7 +447,8 @@ class BodyCollector:
             return Assembled(error="response content-encoding not decodable by the recorder")
         if self._stream is not None:
             return self._stream.result()
-        return parse_body(b"".join(self._parts), self.endpoint, sampled_text=self.sampled_text)
+        return parse_body(b"".join(self._parts), self.endpoint, sampled_text=self.sampled_text,
+                          token_limit=self.token_limit)
 
     def raw_text(self, limit: int = 2000) -> str:
         return b"".join(self._parts)[:limit].decode("utf-8", "replace")

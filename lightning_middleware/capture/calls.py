@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_middleware import fastjson
-from lightning_middleware.capture.assembly import Assembled, BodyCollector
+from lightning_middleware.capture.assembly import Assembled, BodyCollector, token_limit
 from lightning_middleware.capture.context import (
     AGENT_HEADER,
     ROLLOUT_HEADER,
@@ -232,7 +232,8 @@ class DeferredCall:
         if self._assembled is None:
             p = self.pending
             self._collector = BodyCollector(p.endpoint, "text/event-stream" in self.content_type,
-                                            self.content_encoding, sampled_text=p.remembers_turns)
+                                            self.content_encoding, sampled_text=p.remembers_turns,
+                                            token_limit=token_limit(p.payload) if p.remembers_turns else None)
             for chunk in self.chunks:
                 self._collector.feed(chunk)
             self._assembled = self._collector.result() if self.status_code is not None else Assembled()

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from lightning_middleware import TraceStore, rollout, wrap
-from lightning_middleware.capture.assembly import BodyCollector
+from lightning_middleware.capture.assembly import BodyCollector, token_limit
 from lightning_middleware.capture.exact_history import SampledTurns
 from lightning_middleware.gateway import Gateway
 from lightning_middleware.rows import build_rows
@@ -176,8 +176,8 @@ def _chat_body(tokens: list[bytes], *, finish: str = "tool_calls", stop_reason: 
     return json.dumps({"id": "x", "choices": [choice], "prompt_token_ids": [1, 2]}).encode()
 
 
-def _assembled(body: bytes, streaming: bool = False):
-    collector = BodyCollector("chat.completions", streaming, None, sampled_text=True)
+def _assembled(body: bytes, streaming: bool = False, token_limit: int | None = None):
+    collector = BodyCollector("chat.completions", streaming, None, sampled_text=True, token_limit=token_limit)
     collector.feed(body)
     return collector.result()
 
@@ -194,6 +194,42 @@ def _assembled(body: bytes, streaming: bool = False):
 def test_sampled_text_of_a_whole_answer(tokens: list[bytes], stop_reason: object, lp: bool,
                                         expected: str | None) -> None:
     assert _assembled(_chat_body(tokens, stop_reason=stop_reason, lp=lp)).sampled_text == expected
+
+
+CUT = [b"<tool_call>", b'{"n": 6}', b"</tool_call>", b'{"n":']  # a call parsed, then text cut at the limit
+
+
+@pytest.mark.parametrize(("tokens", "finish", "limit", "expected"), [
+    # vLLM says "tool_calls" whenever its parser found a call, also when the answer was cut at
+    # max_tokens: the last token is text, kept (the guess demo's CI run lost a '":' this way)
+    (CUT, "tool_calls", 4, '<tool_call>{"n": 6}</tool_call>{"n":'),
+    (CUT, "tool_calls", 5, '<tool_call>{"n": 6}</tool_call>'),  # below the limit: its EOS ended it
+    (CUT, "tool_calls", None, '<tool_call>{"n": 6}</tool_call>'),  # no limit asked for: as before
+    (CUT, "stop", 4, '<tool_call>{"n": 6}</tool_call>'),  # "stop" at the limit: vLLM saw the EOS first
+    (CUT, "length", 4, '<tool_call>{"n": 6}</tool_call>{"n":'),
+])
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole", "stream"])
+def test_an_answer_cut_at_the_token_limit_keeps_its_last_token(tokens: list[bytes], finish: str, limit: int | None,
+                                                               expected: str, streaming: bool) -> None:
+    body = _chat_body(tokens, finish=finish, stop_reason=None)
+    if streaming:
+        choice = json.loads(body)["choices"][0]
+        head = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None, "token_ids": choice["token_ids"][:2],
+                "logprobs": {"content": choice["logprobs"]["content"][:2]}}
+        tail = {"index": 0, "delta": {"tool_calls": [{"index": 0, **choice["message"]["tool_calls"][0]}]},
+                "finish_reason": finish, "stop_reason": None, "token_ids": choice["token_ids"][2:],
+                "logprobs": {"content": choice["logprobs"]["content"][2:]}}
+        body = b"".join(b"data: " + json.dumps({"id": "x", "choices": [c]}).encode() + b"\n\n" for c in (head, tail)) \
+            + b"data: [DONE]\n\n"
+    assert _assembled(body, streaming, token_limit=limit).sampled_text == expected
+
+
+def test_the_token_limit_is_read_from_the_request() -> None:
+    assert token_limit({"max_completion_tokens": 48, "max_tokens": 9}) == 48
+    assert token_limit({"max_tokens": 9}) == 9
+    assert token_limit({"max_tokens": None}) is None
+    assert token_limit({"max_tokens": True}) is None and token_limit({"max_tokens": "9"}) is None
+    assert token_limit({}) is None
 
 
 def test_sampled_text_is_read_only_when_asked_for() -> None:
