@@ -253,7 +253,7 @@ class RolloutController:
                 log.exception("backend %s failed on rollout %s", self.backend.name, job.rollout_id)
                 outcome = replace(failure(exc, time.monotonic(), None), ended_by_controller=True)
             if outcome.ended_by_controller:
-                await asyncio.to_thread(self._end_in_store, job, outcome)
+                outcome = await asyncio.to_thread(self._end_in_store, job, outcome)
             return outcome
         finally:
             with self._idle:
@@ -263,13 +263,24 @@ class RolloutController:
                 self.stats.finished += 1
                 self._idle.notify_all()
 
-    def _end_in_store(self, job: RolloutJob, outcome: RolloutOutcome) -> None:
+    def _end_in_store(self, job: RolloutJob, outcome: RolloutOutcome) -> RolloutOutcome:
+        """End a rollout its own process could not end; the outcome to report. A worker can die
+        after it ended its rollout and before its outcome reached us (an OOM kill in its teardown):
+        a rollout the store has as succeeded is whole, and retrying it would sample its task twice."""
         if not self.backend.out_of_process:
             self.store.flush(5.0)  # same process: let the row land first
         template = Rollout(id=job.rollout_id, task_id=job.task_id, mode=Mode(job.mode), input=job.task,
                            metadata=job.metadata, policy_version=job.policy_version,
                            created_at=job.created_at or time.time())
-        self.store.end_rollout_if_running(template, status=outcome.status, error=outcome.error)
+        if self.store.end_rollout_if_running(template, status=outcome.status, error=outcome.error):
+            return outcome
+        stored = self.store.get_rollout(job.rollout_id)
+        if stored is None or stored.status != RolloutStatus.SUCCEEDED:
+            return outcome
+        log.warning("rollout %s had succeeded when its %s worker was lost (%s); its outcome is kept",
+                    job.rollout_id, self.backend.name, outcome.error)
+        return RolloutOutcome(status=stored.status.value, reward=stored.final_reward,
+                              duration_s=stored.duration_s or outcome.duration_s, worker=outcome.worker)
 
     async def _sample(self, task_id: str, task: dict[str, Any], index: int, mode: str,
                       extra: dict[str, Any] | None = None) -> RolloutResult:

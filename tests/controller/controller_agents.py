@@ -104,6 +104,21 @@ def exit_agent(task: dict[str, Any]) -> float:
     os._exit(int(task.get("exit_code", 3)))
 
 
+def dies_before_reporting(task: dict[str, Any]) -> float:
+    """Succeeds, and its worker process dies after the rollout ended in the store, before the
+    outcome reaches the controller (the pipe's send: an OOM kill in the worker's teardown)."""
+    import multiprocessing.connection
+
+    from lightning_middleware.store import get_store
+
+    def die(self: Any, obj: Any) -> None:
+        get_store(task["store"]).flush()  # the rollout's end is written: the window is after it
+        os._exit(9)
+
+    multiprocessing.connection.Connection.send = die  # type: ignore[method-assign]
+    return 1.0
+
+
 def max_overlap(rollouts: Any) -> int:
     """Most rollouts running at once, from the store's created_at/ended_at."""
     events = []

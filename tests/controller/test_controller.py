@@ -173,6 +173,18 @@ def test_process_backend_killed_worker_and_hard_timeout(llm_server: LLMTestServe
     assert sq.query_rollouts(status="running") == []
 
 
+def test_a_worker_lost_after_its_rollout_succeeded_keeps_the_rollout(llm_server: LLMTestServer,
+                                                                     sq: TraceStore) -> None:
+    """The store's succeeded rollout is the outcome: a retry would sample the task twice."""
+    [task] = A.make_tasks(llm_server, sq, 1)
+    with RolloutController(A.dies_before_reporting, store=sq, backend="process", workers=1,
+                           retry=RetryPolicy(backoff_s=0.01)) as c:
+        [res] = c.run([task])
+    assert (res.status, res.attempts, res.reward) == ("succeeded", 1, 1.0)
+    assert [r.status.value for r in sq.query_rollouts()] == ["succeeded"]
+    assert c.stats.retried == 0
+
+
 def test_continuous_mode_tags_policy_versions(llm_server: LLMTestServer, sq: TraceStore) -> None:
     sq.add_policy_version(PolicyVersion(version=1))
     c = RolloutController(A.async_tool_agent, store=sq, concurrency=4, policy_version_ttl_s=0.0)
