@@ -80,6 +80,9 @@ def run_proof(task: str, seed: int, out: Path) -> dict[str, Any]:
     gain = res["roles"]["success"]["gain_pp"] if task == "team" else 100 * (after - before)
     passes = {f"{k}_{tag}": res[tag][k]["success"] for k in ("sampled", "greedy", "unseen_greedy")
               for tag in ("before", "after") if k in res[tag]}
+    # the guess task: greedy success counts secrets found (docs/demo.md, "Greedy success")
+    passes.update({f"secrets_won_{tag}": res[tag]["greedy"]["secrets"]["won"] for tag in ("before", "after")
+                   if "secrets" in res[tag].get("greedy", {})})
     return {"task": task, "seed": seed, "command": "lightning-mw " + shlex.join(argv[:-2]),
             "machine": res["machine"], "measure": kind, "before": before, "after": after, **passes,
             "gain_pp": round(gain, 1),

@@ -135,6 +135,18 @@ def test_an_evaluation_counts_each_secrets_share_won() -> None:
     assert by_secret(tasks, results, [True, False, True, True]) == {3: 0.5, 5: 1.0, 9: 1.0}
 
 
+def test_greedy_success_is_reported_as_secrets_won() -> None:
+    from trainer_backend.demo.agent import secrets_line, secrets_won
+
+    before = secrets_won({1: 1.0, 2: 0.0, 3: 1.0, 4: 0.0})
+    assert before == {"won": [1, 3], "lost": [2, 4], "mixed": []}
+    after = secrets_won({1: 1.0, 2: 1.0, 3: 0.0, 4: 0.5})
+    assert after == {"won": [1, 2], "lost": [3], "mixed": [4]}
+    line = secrets_line(before, after)
+    assert line.endswith("2/4 -> 2/4 (newly won 2; lost 3); found in some episodes only: 4"), line
+    assert secrets_line(before, before).endswith("2/4 -> 2/4 (the same)")
+
+
 def undecodable_turns(db: Path, model_dir: str) -> int:
     """Trained rollouts' turns sent back in a later request whose sampled tokens are not valid UTF-8:
     the server decodes them to U+FFFD, so exact_history has no text to send back as sampled. The

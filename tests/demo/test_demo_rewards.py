@@ -137,8 +137,10 @@ def test_evaluation_without_a_configuration_reads_the_agents_reward(
     agent = make_agent(llm.base_url, store, max_tokens=256)
     with RolloutController(agent, store=store, backend="asyncio", concurrency=4, timeout_s=60) as c:
         res = evaluate(c, _tasks(2), temperature=1.0, tag="t", store=store)
+        greedy = evaluate(c, _tasks(2), temperature=0.0, tag="g", store=store)
     assert res["errors"] == 0, _errors(store)
     assert res["success"] == 0.0 and res["tool_calls_mean"] == 1.0 and "hacking_rate" not in res
+    assert "secrets" not in res and greedy["secrets"] == {"won": [], "lost": [3], "mixed": []}  # greedy's headline
 
 
 def test_the_run_records_the_configuration_and_its_hash(tmp_path: Path) -> None:

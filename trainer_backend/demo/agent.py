@@ -81,6 +81,8 @@ def evaluate(controller: RolloutController, tasks: list[dict[str, Any]], *, temp
         won = [bool(o.success) for o in outcomes]
     out["success"] = sum(won) / len(results)
     out["by_secret"] = by_secret(batch, results, won)
+    if temperature == 0:
+        out["secrets"] = secrets_won(out["by_secret"])
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -94,3 +96,23 @@ def by_secret(tasks: list[dict[str, Any]], results: list[RolloutResult], won: li
     for r, w in zip(results, won):
         episodes.setdefault(secret[r.task_id], []).append(w)
     return {k: sum(v) / len(v) for k, v in sorted(episodes.items())}
+
+
+def secrets_won(shares: dict[int, float]) -> dict[str, list[int]]:
+    """Greedy's headline measure: the secrets it finds in every episode, in none, and in some
+    (possible only through the server's batch-dependent numerics)."""
+    return {"won": [k for k, v in shares.items() if v == 1.0], "lost": [k for k, v in shares.items() if v == 0.0],
+            "mixed": [k for k, v in shares.items() if 0.0 < v < 1.0]}
+
+
+def secrets_line(before: dict[str, list[int]], after: dict[str, list[int]]) -> str:
+    """"secrets won, greedy: 10/15 -> 11/15 (newly won 9, 11; lost 15)": one secret is ~6.7 pp of
+    greedy success, so this says what a greedy gain is made of (docs/demo.md, "Greedy success")."""
+    n = sum(len(v) for v in after.values())
+    gained = sorted(set(after["won"]) - set(before["won"]))
+    dropped = sorted(set(before["won"]) - set(after["won"]))
+    changes = [f"newly won {', '.join(map(str, gained))}"] if gained else []
+    changes += [f"lost {', '.join(map(str, dropped))}"] if dropped else []
+    mixed = f"; found in some episodes only: {', '.join(map(str, after['mixed']))}" if after["mixed"] else ""
+    return (f"secrets won, greedy:             {len(before['won'])}/{n} -> {len(after['won'])}/{n}"
+            + (f" ({'; '.join(changes)})" if changes else " (the same)") + mixed)

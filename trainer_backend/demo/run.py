@@ -48,7 +48,7 @@ from trainer_backend.caching import lightning_home
 from trainer_backend.daemon.config import GroupPolicy, StepResult, TrainerConfig
 from trainer_backend.daemon.reward_gate import RewardPolicy
 from trainer_backend.daemon.trainer_daemon import TrainerDaemon
-from trainer_backend.demo.agent import SERVED_NAME, evaluate, make_agent
+from trainer_backend.demo.agent import SERVED_NAME, evaluate, make_agent, secrets_line
 from trainer_backend.demo.outcomes import curve_summary, report_line, step_outcomes
 from trainer_backend.demo.report import plot_curve
 from trainer_backend.demo.task import make_tasks
@@ -333,6 +333,8 @@ class DemoRun:
         if "greedy" in before:
             say(f"held-out success, greedy:        {before['greedy']['success']:.1%} -> "
                 f"{after['greedy']['success']:.1%}")
+            if "secrets" in before["greedy"]:
+                say(secrets_line(before["greedy"]["secrets"], after["greedy"]["secrets"]))
         if line := report_line(res):
             say(line)
         say(f"{res['steps']} steps, {res['trained_rollouts']} rollouts trained in {self.timings['rl_s'] / 60:.1f} min; "
