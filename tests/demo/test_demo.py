@@ -147,11 +147,13 @@ def test_greedy_success_is_reported_as_secrets_won() -> None:
     assert secrets_line(before, before).endswith("2/4 -> 2/4 (the same)")
 
 
-def undecodable_turns(db: Path, model_dir: str) -> int:
-    """Trained rollouts' turns sent back in a later request whose sampled tokens are not valid UTF-8:
-    the server decodes them to U+FFFD, so exact_history has no text to send back as sampled. The
-    bytes can sit in text the tool parser drops (after `</tool_call>`), so the sampled tokens are
-    decoded here, not the parsed message (a genuine U+FFFD sampled as valid UTF-8 would count too)."""
+def unsendable_turns(db: Path, model_dir: str) -> int:
+    """Trained rollouts' turns sent back in a later request whose sampled tokens no text can carry:
+    those the tokenizer does not give back from their own text (decode, then encode). A lone byte
+    token that is not valid UTF-8 is one (the server decodes it to U+FFFD, so exact_history has no
+    sampled text); a valid text sampled in pieces the tokenizer would merge is the other. The bytes
+    can sit in text the tool parser drops (after `</tool_call>`), so the sampled tokens are checked
+    here, not the parsed message."""
     from transformers import AutoTokenizer
 
     from lightning_middleware import TraceStore
@@ -162,7 +164,9 @@ def undecodable_turns(db: Path, model_dir: str) -> int:
         n = 0
         for r in store.query_rollouts(mode="train"):
             turns = sorted(store.calls(r.id), key=lambda c: c.call_index)[:-1]  # the last is never sent back
-            n += sum("\ufffd" in tokenizer.decode(c.completion_token_ids or []) for c in turns)
+            for c in turns:
+                ids = list(c.completion_token_ids or [])
+                n += tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) != ids
         return n
     finally:
         store.close()
@@ -196,12 +200,12 @@ def test_short_demo_learns(tmp_path: Path) -> None:
     # and one row each: the agent's wrap(exact_history=True) sends its turns back as sampled, so a
     # policy that drifts from the template's form of a call (a double space, text after
     # </tool_call>, the "\n" before it) still continues its own prompt (docs/demo.md).
-    # The one form no text API can send back: a sampled turn whose tokens' bytes are not valid UTF-8
+    # The one form no text API can send back: a sampled turn whose tokens its text does not encode to
     # (a lone byte token decodes to U+FFFD); every break must be one of those.
     breaks = sum(c.get("rows_prefix_breaks", 0) for c in res["curve"])
-    unsendable = undecodable_turns(tmp_path / "demo" / "traces.db", res["model_dir"])
+    unsendable = unsendable_turns(tmp_path / "demo" / "traces.db", res["model_dir"])
     assert sum(c.get("rows_merges", 0) for c in res["curve"]) > 0
-    assert breaks <= unsendable, f"{breaks} prefix breaks, {unsendable} of them from undecodable samples"
+    assert breaks <= unsendable, f"{breaks} prefix breaks, {unsendable} of them from unsendable samples"
     assert sum(c.get("rows_calls_used", 0) for c in res["curve"]) > sum(c["rollouts"] for c in res["curve"])
     assert (tmp_path / "demo" / "reward_curve.png").stat().st_size > 10_000
     # learned: the served model moved, toward the completions the rewards favoured, and did not collapse
