@@ -40,7 +40,7 @@ def test_a_ranking_past_its_deadline_is_the_groups_error(store: TraceStore) -> N
         t0 = time.perf_counter()
         report = rescore(store, cfg)
         took = time.perf_counter() - t0
-    assert report.groups_failed == 1 and report.with_final == 0 and took < 2.5  # not 3 answers x 3 s
+    assert report.groups_failed == 1 and report.with_final == 0 and took < 6  # not 3 answers x 3 s (9 s)
     for r in store.query_rollouts():
         [errors] = [x for x in store.rewards(r.id) if x.name == "reward_errors" and x.config_hash == cfg.hash]
         assert "rank_judge.deadline_s = 0.5 s" in errors.metadata["errors"]["rank_judge"]
