@@ -22,7 +22,7 @@ from tests.faults.matrix import Cell, report
 
 FAULTS = {  # cell -> (headers, stream)
     "5xx": ({"x-test-fail-times": "1"}, False),
-    "hang": ({"x-test-hang": "5"}, False),
+    "hang": ({"x-test-hang": "5"}, False),  # past the clients' 2 s timeout, with room under load
     "closed mid-stream": ({"x-test-close-after": "2"}, True),
 }
 
@@ -50,7 +50,7 @@ def _call(client: openai.OpenAI, headers: dict[str, str], stream: bool) -> None:
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_upstream_fault_through_wrap(fault: str, llm_server: LLMTestServer, sq: TraceStore) -> None:
     headers, stream = FAULTS[fault]
-    client = wrap(openai.OpenAI(base_url=llm_server.base_url, api_key="x", max_retries=0, timeout=0.5), store=sq)
+    client = wrap(openai.OpenAI(base_url=llm_server.base_url, api_key="x", max_retries=0, timeout=2.0), store=sq)
     with pytest.raises(openai.APIError) as err, rollout("upstream-fault", store=sq) as r:
         _call(client, headers, stream)
     # The agent sees the engine's failure as the openai SDK reports it: a status error, a timeout, a cut stream.
@@ -66,7 +66,7 @@ def test_upstream_fault_through_wrap(fault: str, llm_server: LLMTestServer, sq: 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_upstream_fault_through_the_gateway(fault: str, llm_server: LLMTestServer, sq: TraceStore) -> None:
     headers, stream = FAULTS[fault]
-    with Gateway([llm_server.base_url], sq, health_interval_s=0, upstream_timeout_s=0.5) as gw:
+    with Gateway([llm_server.base_url], sq, health_interval_s=0, upstream_timeout_s=2.0) as gw:
         rid = httpx.post(gw.url + "/rollouts", json={"task_id": "upstream-fault"}, timeout=30).json()["id"]
         client = openai.OpenAI(base_url=gw.rollout_base_url(rid), api_key="x", max_retries=0, timeout=10)
         with pytest.raises(openai.APIError) as err:
