@@ -85,6 +85,14 @@ def _port_of(url: str) -> int:
     return port
 
 
+def cpu_share(cpu_s: float = 0.3) -> float:
+    """The share of a core a busy loop gets now: CPU time over wall time."""
+    t0, c0 = time.monotonic(), time.process_time()
+    while time.process_time() - c0 < cpu_s:
+        pass
+    return min(1.0, cpu_s / (time.monotonic() - t0))
+
+
 def test_every_attack_fails_and_ends_its_rollout_with_its_class(setup: Setup, llm_server: LLMTestServer,
                                                                 pg_server, tmp_path, monkeypatch) -> None:
     # A directory the sandbox binds (it is on the agent's import path), holding a checkpoint that a
@@ -136,8 +144,11 @@ def test_every_attack_fails_and_ends_its_rollout_with_its_class(setup: Setup, ll
     with RolloutController(ATTACKER, store=setup.store, backend=backend, concurrency=1, timeout_s=60.0) as c:
         [baseline] = c.run([{"attack": "read_secret", "var": "LIGHTNING_TEST_ALLOWED", "task_id": "baseline"}], n=1)
     assert baseline.status == "succeeded", baseline.error
-    deadline = max(8.0, 4 * (time.monotonic() - t0))
-    print(f"baseline rollout {time.monotonic() - t0:.1f} s: deadline {deadline:.1f} s")
+    # burn_cpu must reach its CPU-time limit (cpu_s) before the deadline: the wall time that takes is
+    # cpu_s over this process's share of a core now (the suite's demos beside it: 8 s was too short).
+    share = cpu_share()
+    deadline = min(120.0, max(8.0, 4 * (time.monotonic() - t0), 3 * sandbox.cpu_s / share))
+    print(f"baseline rollout {time.monotonic() - t0:.1f} s, CPU share {share:.2f}: deadline {deadline:.1f} s")
     t0 = time.monotonic()
     with RolloutController(ATTACKER, store=setup.store, backend=backend, concurrency=2, timeout_s=deadline,
                            retry=retry) as c:
