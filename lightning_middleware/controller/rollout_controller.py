@@ -277,8 +277,8 @@ class RolloutController:
         stored = self.store.get_rollout(job.rollout_id)
         if stored is None or stored.status != RolloutStatus.SUCCEEDED:
             return outcome
-        log.warning("rollout %s had succeeded when its %s worker was lost (%s); its outcome is kept",
-                    job.rollout_id, self.backend.name, outcome.error)
+        log.warning("the %s worker of rollout %s failed after the rollout succeeded (%s); its outcome is kept",
+                    self.backend.name, job.rollout_id, outcome.error)
         return RolloutOutcome(status=stored.status.value, reward=stored.final_reward,
                               duration_s=stored.duration_s or outcome.duration_s, worker=outcome.worker)
 

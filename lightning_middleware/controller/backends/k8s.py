@@ -416,15 +416,8 @@ class KubernetesBackend:
     async def _conclude(self, tracked: _Tracked, verdict: Verdict, t0: float) -> RolloutOutcome:
         job = tracked.jobs[0]
         outcome = verdict.outcome
-        if outcome is not None and outcome.status != RolloutStatus.SUCCEEDED.value:
-            done, _ = await self._call(self._stored_outcomes, [job])
-            kept = done.get(job.rollout_id)
-            if kept is not None and kept.status == RolloutStatus.SUCCEEDED.value:
-                # The worker ended the rollout before its pod died (an OOM kill or an eviction in its
-                # teardown): the rollout is whole in the store, and a retry would sample its task twice.
-                log.warning("the pod of rollout %s failed after the rollout succeeded (%s); its outcome is kept",
-                            job.rollout_id, outcome.error)
-                outcome, verdict = kept, replace(verdict, needs_logs=False)
+        # A pod that fails after its worker ended the rollout succeeded (an OOM kill in its teardown)
+        # comes back ended_by_controller: the controller keeps the stored outcome (_end_in_store).
         if verdict.needs_logs and verdict.pod_name:
             outcome = await self._with_logs(tracked, verdict)
         elif outcome is None:  # ended cleanly without a termination message: read what the worker stored
