@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -284,11 +285,25 @@ def stop(proc: Any, timeout: float = 30.0) -> None:
 
 
 def soak(args: argparse.Namespace) -> dict[str, Any]:
+    # Logs, the model and the checkpoints: kept where --workdir says; a temporary folder otherwise,
+    # removed after a run that raised nothing and kept (and named) after one that did.
+    tmp = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="lightning-soak-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        result = _soak_in(args, tmp)
+    except BaseException:
+        print(f"the soak's logs are kept in {tmp}", file=sys.stderr)
+        raise
+    if not args.workdir:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return result
+
+
+def _soak_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     import sqlalchemy as sa
 
     from lightning_middleware import TraceStore
 
-    tmp = Path(tempfile.mkdtemp(prefix="lightning-soak-"))
     pg, llm, procs, gw_url = start_services(args, tmp)
     engine = sa.create_engine(pg.url, pool_size=1)
     samples: list[dict[str, Any]] = []
@@ -364,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
                         "each process's own warm-up (soak_report.warmup_ends)")
     p.add_argument("--drain-s", type=float, default=300.0, help="at most this long for the trainer to catch up")
     p.add_argument("--json", default=None, help="also write the JSON result here")
+    p.add_argument("--workdir", default=None,
+                   help="the services' logs, model and checkpoints go here (default: a temporary folder, "
+                        "removed after a clean run)")
     args = p.parse_args(argv)
     args.window_s = args.window_s or max(5.0, args.minutes * 60 / 15)
     args.sample_s = args.sample_s or max(1.0, args.window_s / 3)

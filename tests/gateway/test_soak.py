@@ -61,7 +61,8 @@ def test_an_agent_process_still_starting_at_the_first_window_is_not_growth() -> 
 def test_short_soak_loses_nothing_and_memory_stays_flat(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     cmd = [sys.executable, str(ROOT / "bench" / "bench_soak.py"), "--minutes", "0.6", "--wrap-agents", "4",
-           "--gateway-agents", "4", "--think-ms", "100", "--window-s", "6", "--sample-s", "2", "--json", str(out)]
+           "--gateway-agents", "4", "--think-ms", "100", "--window-s", "6", "--sample-s", "2", "--json", str(out),
+           "--workdir", str(tmp_path / "soak")]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
