@@ -35,6 +35,24 @@ class Assembled:
     # tool-call parser took it apart; None without logprobs, or when not asked for (only
     # `capture.exact_history` needs it: every other call skips the work).
     sampled_text: str | None = None
+    # The token ID that ended choice 0 as its EOS, where the answer shows it (read with sampled_text):
+    # what `EosHints.eos_ids` learns for the model's later answers.
+    eos_id: int | None = None
+
+
+@dataclass(frozen=True)
+class EosHints:
+    """What tells whether a chat answer's last token is the EOS that ended it (exact_history).
+    vLLM reports "tool_calls" whenever its parser found a call, also in an answer cut at the
+    request's token limit, whose last token is text. Below the limit such an answer ended by its
+    EOS; at the limit its last token is the EOS only if it is one of the IDs seen ending this
+    model's earlier answers (a "stop" with no stop string or token names its EOS)."""
+
+    token_limit: int | None = None  # the request's most completion tokens
+    eos_ids: frozenset[int] = frozenset()
+
+
+NO_HINTS = EosHints()
 
 
 def _token_bytes(choice: dict[str, Any]) -> list[bytes] | None:
@@ -68,15 +86,16 @@ def _joined(pieces: list[bytes], n_ids: int, ended_by_eos: bool) -> str | None:
         return None
 
 
-def _ended_by_eos(choice: dict[str, Any], n_ids: int, token_limit: int | None) -> bool:
-    """Is the choice's last token the EOS that ended it? vLLM reports "tool_calls" whenever its
-    parser found a call, also in an answer cut at the request's token limit, whose last token is
-    text: at the limit such an answer counts as cut (an EOS sampled as exactly the last allowed
-    token, which vLLM would have called "stop", cannot be told apart from it there)."""
-    if "stop_reason" not in choice or choice["stop_reason"] is not None:
+def _ended_by_eos(choice: dict[str, Any], ids: list[int], hints: EosHints) -> bool:
+    """Is the choice's last token the EOS that ended it? (EosHints says how "tool_calls" is read.)
+    An EOS at exactly the limit before any answer of the model showed its EOS counts as a cut."""
+    if "stop_reason" not in choice or choice["stop_reason"] is not None or not ids:
         return False  # a stop string or token ended it (or not vLLM): no EOS among the tokens
     finish = choice.get("finish_reason")
-    return finish == "stop" or (finish == "tool_calls" and (token_limit is None or n_ids < token_limit))
+    if finish == "stop":
+        return True
+    limit = hints.token_limit
+    return finish == "tool_calls" and (limit is None or len(ids) < limit or ids[-1] in hints.eos_ids)
 
 
 def token_limit(request: dict[str, Any]) -> int | None:
@@ -181,7 +200,7 @@ def _extra_choices(choices: list[Any], prompt_ids: list[int], endpoint: str) -> 
     return [out[i] for i in sorted(out)]
 
 
-def parse_body(raw: bytes, endpoint: str, *, sampled_text: bool = False, token_limit: int | None = None) -> Assembled:
+def parse_body(raw: bytes, endpoint: str, *, sampled_text: bool = False, eos: EosHints = NO_HINTS) -> Assembled:
     try:
         body = fastjson.loads(raw)
     except ValueError as exc:
@@ -202,10 +221,11 @@ def parse_body(raw: bytes, endpoint: str, *, sampled_text: bool = False, token_l
     out.logprobs = _aligned(_safe_logprobs(first, endpoint), out.completion_token_ids)
     out.extra_choices = _extra_choices(choices, out.prompt_token_ids, endpoint)
     if sampled_text and endpoint == "chat.completions" and out.completion_token_ids:
+        ended = _ended_by_eos(first, out.completion_token_ids, eos)
+        out.eos_id = out.completion_token_ids[-1] if ended else None
         pieces = _token_bytes(first)
         if pieces is not None:
-            n = len(out.completion_token_ids)
-            out.sampled_text = _joined(pieces, n, _ended_by_eos(first, n, token_limit))
+            out.sampled_text = _joined(pieces, len(out.completion_token_ids), ended)
     return out
 
 
@@ -216,7 +236,7 @@ def parse_body(raw: bytes, endpoint: str, *, sampled_text: bool = False, token_l
 class _StreamChoice:
     """One choice of a stream, rebuilt from the deltas that carry its `index`."""
 
-    def __init__(self, index: int, endpoint: str, sampled_text: bool = False, token_limit: int | None = None) -> None:
+    def __init__(self, index: int, endpoint: str, sampled_text: bool = False, eos: EosHints = NO_HINTS) -> None:
         self.index, self.endpoint = index, endpoint
         self.text: list[str] = []
         self.reasoning: list[str] = []
@@ -231,7 +251,7 @@ class _StreamChoice:
         # the sampled text's bytes, per token (None: not asked for, or unreadable)
         self.pieces: list[bytes] | None = [] if sampled_text and endpoint == "chat.completions" else None
         self.ended_by_eos = False
-        self.token_limit = token_limit
+        self.eos = eos
 
     def feed(self, choice: dict[str, Any]) -> None:
         if choice.get("prompt_token_ids"):
@@ -255,7 +275,7 @@ class _StreamChoice:
                 self.pieces.extend(pieces)
         if choice.get("finish_reason"):
             self.finish = choice["finish_reason"]
-            self.ended_by_eos = _ended_by_eos(choice, len(self.token_ids), self.token_limit)
+            self.ended_by_eos = _ended_by_eos(choice, self.token_ids, self.eos)
         if self.endpoint == "completions":
             self.text.append(choice.get("text") or "")
             return
@@ -316,16 +336,16 @@ class StreamAssembler:
     With `n` > 1 the chunks of the choices interleave; each is assembled by its `index`.
     """
 
-    def __init__(self, endpoint: str, *, sampled_text: bool = False, token_limit: int | None = None) -> None:
+    def __init__(self, endpoint: str, *, sampled_text: bool = False, eos: EosHints = NO_HINTS) -> None:
         self.endpoint = endpoint
-        self.sampled_text, self.token_limit = sampled_text, token_limit
+        self.sampled_text, self.eos = sampled_text, eos
         self._pending = b""
         self._done = False
         self._head: dict[str, Any] = {}
         self._saw_choice = False  # a chunk with a choice came (a stream of only usage or [DONE] is no answer)
         self._broken: set[int] = set()  # choices a malformed delta came for
         # Choice 0 always exists, so a stream that never sent a choice still records one (as before n > 1).
-        self._choices: dict[int, _StreamChoice] = {0: _StreamChoice(0, endpoint, sampled_text, token_limit)}
+        self._choices: dict[int, _StreamChoice] = {0: _StreamChoice(0, endpoint, sampled_text, eos)}
         self._prompt_ids: list[int] = []
         self._usage: Any = None
         self._errors: list[str] = []
@@ -379,8 +399,7 @@ class StreamAssembler:
                 continue
             slot = self._choices.get(index)
             if slot is None:
-                slot = self._choices[index] = _StreamChoice(index, self.endpoint, self.sampled_text,
-                                                                self.token_limit)
+                slot = self._choices[index] = _StreamChoice(index, self.endpoint, self.sampled_text, self.eos)
             slot.feed(choice)
 
     def _extra_choices(self, prompt_ids: list[int]) -> list[Choice]:
@@ -417,6 +436,7 @@ class StreamAssembler:
             extra_choices=self._extra_choices(prompt_ids),
             sampled_text=None if first.pieces is None or not first.has_logprobs
             else _joined(first.pieces, len(first.token_ids), first.ended_by_eos),
+            eos_id=first.token_ids[-1] if self.sampled_text and first.ended_by_eos else None,
         )
 
 
@@ -424,12 +444,12 @@ class BodyCollector:
     """Feeds raw response bytes to the right parser, decoding content-encoding."""
 
     def __init__(self, endpoint: str, streaming: bool, content_encoding: str | None, *,
-                 sampled_text: bool = False, token_limit: int | None = None) -> None:
-        """`sampled_text`: join the answer's sampled text (exact_history); `token_limit`: the
-        request's most completion tokens, to tell a cut answer from one its EOS ended."""
-        self.endpoint, self.sampled_text, self.token_limit = endpoint, sampled_text, token_limit
+                 sampled_text: bool = False, eos: EosHints = NO_HINTS) -> None:
+        """`sampled_text`: join the answer's sampled text (exact_history); `eos`: what tells a
+        cut answer from one its EOS ended."""
+        self.endpoint, self.sampled_text, self.eos = endpoint, sampled_text, eos
         self._decode = _Decoder(content_encoding)
-        self._stream = StreamAssembler(endpoint, sampled_text=sampled_text, token_limit=token_limit) \
+        self._stream = StreamAssembler(endpoint, sampled_text=sampled_text, eos=eos) \
             if streaming else None
         self._parts: list[bytes] = []
 
@@ -447,8 +467,7 @@ class BodyCollector:
             return Assembled(error="response content-encoding not decodable by the recorder")
         if self._stream is not None:
             return self._stream.result()
-        return parse_body(b"".join(self._parts), self.endpoint, sampled_text=self.sampled_text,
-                          token_limit=self.token_limit)
+        return parse_body(b"".join(self._parts), self.endpoint, sampled_text=self.sampled_text, eos=self.eos)
 
     def raw_text(self, limit: int = 2000) -> str:
         return b"".join(self._parts)[:limit].decode("utf-8", "replace")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_middleware import fastjson
-from lightning_middleware.capture.assembly import Assembled, BodyCollector, token_limit
+from lightning_middleware.capture.assembly import NO_HINTS, Assembled, BodyCollector, EosHints, token_limit
 from lightning_middleware.capture.context import (
     AGENT_HEADER,
     ROLLOUT_HEADER,
@@ -99,6 +99,9 @@ class CaptureSettings:
     translate: bool | None = None
     # Hosts that answered 400 to the injected fields: leave their requests alone.
     no_inject_hosts: set[str] = field(default_factory=set)
+    # Model name -> the token IDs seen ending its answers as their EOS (exact_history reads an
+    # answer of exactly max_tokens by them: assembly.EosHints). Replaced, never changed in place.
+    eos_ids: dict[str, frozenset[int]] = field(default_factory=dict)
     # Separate policies per agent: agent name -> the served model name of its policy (a LoRA
     # adapter's name). A call of a mapped agent is sent, and recorded, under that model whatever
     # model the agent code wrote; other agents' calls go to `default_policy` (None: as written).
@@ -231,12 +234,16 @@ class DeferredCall:
         """The answer's bytes parsed (once)."""
         if self._assembled is None:
             p = self.pending
+            model = str(p.payload.get("model") or "")
+            known = p.settings.eos_ids.get(model, frozenset())
+            eos = EosHints(token_limit(p.payload), known) if p.remembers_turns else NO_HINTS
             self._collector = BodyCollector(p.endpoint, "text/event-stream" in self.content_type,
-                                            self.content_encoding, sampled_text=p.remembers_turns,
-                                            token_limit=token_limit(p.payload) if p.remembers_turns else None)
+                                            self.content_encoding, sampled_text=p.remembers_turns, eos=eos)
             for chunk in self.chunks:
                 self._collector.feed(chunk)
             self._assembled = self._collector.result() if self.status_code is not None else Assembled()
+            if self._assembled.eos_id is not None and self._assembled.eos_id not in known:
+                p.settings.eos_ids[model] = known | {self._assembled.eos_id}
         return self._assembled
 
     def build(self) -> LLMCall:

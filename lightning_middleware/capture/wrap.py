@@ -108,5 +108,6 @@ def wrap(client: T, *, store: TraceStore | str | None = None, record_unattached:
         )
         if previous is not None:
             settings.no_inject_hosts = previous.no_inject_hosts
+            settings.eos_ids = previous.eos_ids
         install(http_client, settings)
     return client

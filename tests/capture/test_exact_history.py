@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from lightning_middleware import TraceStore, rollout, wrap
-from lightning_middleware.capture.assembly import BodyCollector, token_limit
+from lightning_middleware.capture.assembly import BodyCollector, EosHints, token_limit
 from lightning_middleware.capture.exact_history import SampledTurns
 from lightning_middleware.gateway import Gateway
 from lightning_middleware.rows import build_rows
@@ -176,8 +176,10 @@ def _chat_body(tokens: list[bytes], *, finish: str = "tool_calls", stop_reason: 
     return json.dumps({"id": "x", "choices": [choice], "prompt_token_ids": [1, 2]}).encode()
 
 
-def _assembled(body: bytes, streaming: bool = False, token_limit: int | None = None):
-    collector = BodyCollector("chat.completions", streaming, None, sampled_text=True, token_limit=token_limit)
+def _assembled(body: bytes, streaming: bool = False, token_limit: int | None = None,
+               eos_ids: frozenset[int] = frozenset()):
+    collector = BodyCollector("chat.completions", streaming, None, sampled_text=True,
+                              eos=EosHints(token_limit, eos_ids))
     collector.feed(body)
     return collector.result()
 
@@ -197,20 +199,25 @@ def test_sampled_text_of_a_whole_answer(tokens: list[bytes], stop_reason: object
 
 
 CUT = [b"<tool_call>", b'{"n": 6}', b"</tool_call>", b'{"n":']  # a call parsed, then text cut at the limit
+# (_chat_body numbers the tokens 0, 1, 2, ...: the last of CUT is ID 3)
 
 
-@pytest.mark.parametrize(("tokens", "finish", "limit", "expected"), [
+@pytest.mark.parametrize(("tokens", "finish", "limit", "eos_ids", "expected"), [
     # vLLM says "tool_calls" whenever its parser found a call, also when the answer was cut at
     # max_tokens: the last token is text, kept (the guess demo's CI run lost a '":' this way)
-    (CUT, "tool_calls", 4, '<tool_call>{"n": 6}</tool_call>{"n":'),
-    (CUT, "tool_calls", 5, '<tool_call>{"n": 6}</tool_call>'),  # below the limit: its EOS ended it
-    (CUT, "tool_calls", None, '<tool_call>{"n": 6}</tool_call>'),  # no limit asked for: as before
-    (CUT, "stop", 4, '<tool_call>{"n": 6}</tool_call>'),  # "stop" at the limit: vLLM saw the EOS first
-    (CUT, "length", 4, '<tool_call>{"n": 6}</tool_call>{"n":'),
+    (CUT, "tool_calls", 4, frozenset(), '<tool_call>{"n": 6}</tool_call>{"n":'),
+    (CUT, "tool_calls", 4, frozenset({7}), '<tool_call>{"n": 6}</tool_call>{"n":'),  # another ID is the EOS
+    # at the limit, and the last token is the model's EOS (learnt from an earlier "stop"): it ended it
+    (CUT, "tool_calls", 4, frozenset({3}), '<tool_call>{"n": 6}</tool_call>'),
+    (CUT, "tool_calls", 5, frozenset(), '<tool_call>{"n": 6}</tool_call>'),  # below the limit: its EOS ended it
+    (CUT, "tool_calls", None, frozenset(), '<tool_call>{"n": 6}</tool_call>'),  # no limit asked for: as before
+    (CUT, "stop", 4, frozenset(), '<tool_call>{"n": 6}</tool_call>'),  # "stop" at the limit: vLLM saw the EOS first
+    (CUT, "length", 4, frozenset({3}), '<tool_call>{"n": 6}</tool_call>{"n":'),  # a cut says so: never an EOS
 ])
 @pytest.mark.parametrize("streaming", [False, True], ids=["whole", "stream"])
 def test_an_answer_cut_at_the_token_limit_keeps_its_last_token(tokens: list[bytes], finish: str, limit: int | None,
-                                                               expected: str, streaming: bool) -> None:
+                                                               eos_ids: frozenset[int], expected: str,
+                                                               streaming: bool) -> None:
     body = _chat_body(tokens, finish=finish, stop_reason=None)
     if streaming:
         choice = json.loads(body)["choices"][0]
@@ -221,7 +228,9 @@ def test_an_answer_cut_at_the_token_limit_keeps_its_last_token(tokens: list[byte
                 "logprobs": {"content": choice["logprobs"]["content"][2:]}}
         body = b"".join(b"data: " + json.dumps({"id": "x", "choices": [c]}).encode() + b"\n\n" for c in (head, tail)) \
             + b"data: [DONE]\n\n"
-    assert _assembled(body, streaming, token_limit=limit).sampled_text == expected
+    a = _assembled(body, streaming, token_limit=limit, eos_ids=eos_ids)
+    assert a.sampled_text == expected
+    assert a.eos_id == (3 if expected == '<tool_call>{"n": 6}</tool_call>' else None)  # what a later answer learns
 
 
 def test_the_token_limit_is_read_from_the_request() -> None:
@@ -267,3 +276,58 @@ def test_sampled_text_of_a_stream() -> None:
     assert turns.restore(back[:1]) is None  # nothing to restore: the request goes as written
     other = [{"role": "assistant", "tool_calls": [{"id": "call_2", "function": {"name": "f", "arguments": "{}"}}]}]
     assert turns.restore(other) is None
+
+
+# -- the EOS at exactly the token limit, learnt from the model's earlier answers ---------------
+
+def _vllm_answer(pieces: list[bytes], ids: list[int], finish: str, call_id: str | None) -> dict:
+    """A chat answer as vLLM sends one: token IDs, a logprob entry (with its bytes) per token, and
+    `stop_reason` null when the EOS ended it; "tool_calls" whenever its parser found a call."""
+    text = b"".join(pieces).decode()
+    message: dict = {"role": "assistant", "content": None if call_id else text}
+    if call_id:
+        message["tool_calls"] = [{"id": call_id, "type": "function", "function": {"name": "calc", "arguments": "{}"}}]
+    return {"id": "x", "object": "chat.completion", "created": 0, "model": "policy", "prompt_token_ids": [1, 2],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "stop_reason": None,
+                         "token_ids": ids, "logprobs": {"content": [
+                             {"token": t.decode(), "logprob": -0.1, "bytes": list(t)} for t in pieces]}}]}
+
+
+def _tool_turn_sent_back(store: TraceStore, answers: list[dict], warm_up: bool) -> dict:
+    """Through a wrapped client: (an earlier rollout's answer, if `warm_up`), then a rollout's tool call with
+    max_tokens 4 and the request after it; returns the assistant turn that request carried."""
+    sent: list[dict] = []
+
+    def upstream(request: httpx2.Request) -> httpx2.Response:
+        sent.append(json.loads(request.content))
+        body = json.dumps(answers[len(sent) - 1]).encode()  # streamed, as a real transport's body is
+        return httpx2.Response(200, headers={"content-type": "application/json"}, content=iter([body]))
+
+    http = httpx2.Client(transport=httpx2.MockTransport(upstream))
+    client = wrap(openai.OpenAI(base_url="http://vllm.test/v1", api_key="x", http_client=http, max_retries=0),
+                  store=store, exact_history=True)
+    if warm_up:  # an earlier rollout's answer
+        with rollout("earlier", store=store):
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    messages: list[dict] = [{"role": "user", "content": "6*7?"}]
+    with rollout("t", store=store):
+        out = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=4)
+        messages += [out.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+        client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=4)
+    return sent[-1]["messages"][1]
+
+
+def test_an_eos_at_exactly_the_limit_is_known_by_the_id_an_earlier_answer_ended_with(store: TraceStore) -> None:
+    """vLLM calls an answer its parser found a call in "tool_calls", cut at max_tokens or ended by
+    its EOS: at the limit only the ID tells. An earlier rollout's answer ended with "stop" shows the
+    EOS (ID 99); an answer of exactly max_tokens that ends with 99 then goes back without the EOS's text.
+    Before any "stop" the same answer counts as cut and keeps it (the one case left ambiguous).
+    The upstream is httpx's MockTransport answering vLLM-shaped bodies in order."""
+    eos = b"<|im_end|>"
+    at_limit = _vllm_answer([b"<tool_call>", b"{}", b"</tool_call>", eos], [10, 11, 12, 99], "tool_calls", "call_1")
+    stop = _vllm_answer([b"Hi", eos], [5, 99], "stop", None)
+    assert _tool_turn_sent_back(store, [stop, at_limit, stop], warm_up=True) == \
+        {"role": "assistant", "content": "<tool_call>{}</tool_call>"}
+    assert _tool_turn_sent_back(store, [at_limit, stop], warm_up=False) == \
+        {"role": "assistant", "content": "<tool_call>{}</tool_call><|im_end|>"}
