@@ -139,7 +139,7 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
         status, body = refusal
         return module.Response(status, headers={"content-type": "application/json"}, content=body, request=request)
 
-    def tee(response: Any, out: Outgoing, tee_cls: type) -> Any:
+    def tee(response: Any, out: Outgoing, tee_cls: type, request: Any) -> Any:
         chunks: list[bytes] = []
         pending = out.pending
 
@@ -154,12 +154,24 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
             else:
                 assert pending is not None
                 rewriter = rewriter_for(response, pending)
+            if response.is_closed:  # its body already read (a mock transport's Response(json=...)): no stream
+                return already_read(response, request, chunks, on_close, rewriter)
             response.stream = tee_cls(response.stream, chunks, on_close, rewriter)
         except Exception as exc:  # hand back the untouched response rather than fail the call
             log.exception("could not tee a response; the call is recorded without its body")
             if pending is not None:
                 pending.finish(status_code=response.status_code, headers=response.headers, error=f"recorder: {exc}")
         return response
+
+    def already_read(response: Any, request: Any, chunks: list[bytes], on_close: Any, rewriter: Any) -> Any:
+        """Record a response that came with its whole body, and hand the caller its body rewritten."""
+        chunks.append(response.content)
+        on_close()
+        if rewriter is None:
+            return response
+        body = rewriter.feed(response.content) + (rewriter.finish() or b"")
+        return module.Response(response.status_code, headers=response.headers, content=body,
+                               request=request, extensions=response.extensions)
 
     def rewriter_for(response: Any, pending: PendingCall) -> Any:
         """What removes our injected fields from the caller's copy, if anything needs to."""
@@ -205,7 +217,7 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
                 if pending is not None:
                     pending.finish(error=f"{type(exc).__name__}: {exc}")
                 raise
-            return tee(response, out, TeeStream)
+            return tee(response, out, TeeStream, request)
 
         def close(self) -> None:
             self.inner.close()
@@ -232,7 +244,7 @@ def transport_classes(module: types.ModuleType) -> tuple[type[Any], type[Any]]:
                 if pending is not None:
                     pending.finish(error=f"{type(exc).__name__}: {exc}")
                 raise
-            return tee(response, out, AsyncTeeStream)
+            return tee(response, out, AsyncTeeStream, request)
 
         async def aclose(self) -> None:
             await self.inner.aclose()

@@ -328,3 +328,34 @@ def test_wrap_rejects_unknown_objects_and_bad_stores(tmp_path) -> None:
         wrap(object())
     with pytest.raises(StoreError):
         wrap(openai.OpenAI(api_key="x"), store=f"sqlite:///{tmp_path}/missing/dir/x.db")
+
+
+ANSWER = {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "prompt_token_ids": [1, 2, 3],
+          "choices": [{"index": 0, "message": {"role": "assistant", "content": "4"}, "finish_reason": "stop",
+                       "token_ids": [52], "logprobs": {"content": [{"token": "4", "logprob": -0.5, "bytes": [52]}]}}]}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_response_that_comes_with_its_whole_body_is_recorded(store: TraceStore, asynchronous: bool) -> None:
+    """A mock transport (httpx's MockTransport, respx) hands back `Response(json=...)`, its body
+    already read and no stream to tee: recorded all the same, and the caller's copy still has
+    none of the injected fields."""
+    def upstream(request: httpx2.Request) -> httpx2.Response:
+        return httpx2.Response(200, json=ANSWER)
+
+    url = "http://mock.test/v1"
+    with rollout("mocked", store=store) as r:
+        if asynchronous:
+            aclient = wrap(openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0, http_client=httpx2.AsyncClient(
+                transport=httpx2.MockTransport(upstream))), store=store)
+            raw = asyncio.run(aclient.chat.completions.with_raw_response.create(model="m", messages=MSGS))
+        else:
+            client = wrap(openai.OpenAI(base_url=url, api_key="x", max_retries=0, http_client=httpx2.Client(
+                transport=httpx2.MockTransport(upstream))), store=store)
+            raw = client.chat.completions.with_raw_response.create(model="m", messages=MSGS)
+    body = json.loads(raw.http_response.content)
+    assert raw.parse().choices[0].message.content == "4"
+    choice = body["choices"][0]
+    assert "prompt_token_ids" not in body and "token_ids" not in choice and not choice["logprobs"]
+    [call] = store.calls(r.id)
+    assert call.prompt_token_ids == (1, 2, 3) and call.completion_token_ids == (52,) and call.logprobs == (-0.5,)
