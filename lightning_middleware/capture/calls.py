@@ -235,7 +235,8 @@ class DeferredCall:
         if self._assembled is None:
             p = self.pending
             model = str(p.payload.get("model") or "")
-            known = p.settings.eos_ids.get(model, frozenset())
+            # with vLLM's ignore_eos an EOS ID sampled last is text the answer goes on after
+            known = frozenset() if p.payload.get("ignore_eos") else p.settings.eos_ids.get(model, frozenset())
             eos = EosHints(token_limit(p.payload), known) if p.remembers_turns else NO_HINTS
             self._collector = BodyCollector(p.endpoint, "text/event-stream" in self.content_type,
                                             self.content_encoding, sampled_text=p.remembers_turns, eos=eos)

@@ -293,7 +293,7 @@ def _vllm_answer(pieces: list[bytes], ids: list[int], finish: str, call_id: str 
                              {"token": t.decode(), "logprob": -0.1, "bytes": list(t)} for t in pieces]}}]}
 
 
-def _tool_turn_sent_back(store: TraceStore, answers: list[dict], warm_up: bool) -> dict:
+def _tool_turn_sent_back(store: TraceStore, answers: list[dict], warm_up: bool, **extra: object) -> dict:
     """Through a wrapped client: (an earlier rollout's answer, if `warm_up`), then a rollout's tool call with
     max_tokens 4 and the request after it; returns the assistant turn that request carried."""
     sent: list[dict] = []
@@ -311,7 +311,8 @@ def _tool_turn_sent_back(store: TraceStore, answers: list[dict], warm_up: bool) 
             client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     messages: list[dict] = [{"role": "user", "content": "6*7?"}]
     with rollout("t", store=store):
-        out = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=4)
+        out = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=4,
+                                             extra_body=extra or None)
         messages += [out.choices[0].message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
         client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=4)
@@ -330,4 +331,7 @@ def test_an_eos_at_exactly_the_limit_is_known_by_the_id_an_earlier_answer_ended_
     assert _tool_turn_sent_back(store, [stop, at_limit, stop], warm_up=True) == \
         {"role": "assistant", "content": "<tool_call>{}</tool_call>"}
     assert _tool_turn_sent_back(store, [at_limit, stop], warm_up=False) == \
+        {"role": "assistant", "content": "<tool_call>{}</tool_call><|im_end|>"}
+    # asked to ignore the EOS, an answer at the limit was cut whatever its last ID
+    assert _tool_turn_sent_back(store, [stop, at_limit, stop], warm_up=True, ignore_eos=True) == \
         {"role": "assistant", "content": "<tool_call>{}</tool_call><|im_end|>"}
