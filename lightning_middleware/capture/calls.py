@@ -234,18 +234,27 @@ class DeferredCall:
         """The answer's bytes parsed (once)."""
         if self._assembled is None:
             p = self.pending
-            model = str(p.payload.get("model") or "")
-            # with vLLM's ignore_eos an EOS ID sampled last is text the answer goes on after
-            known = frozenset() if p.payload.get("ignore_eos") else p.settings.eos_ids.get(model, frozenset())
-            eos = EosHints(token_limit(p.payload), known) if p.remembers_turns else NO_HINTS
             self._collector = BodyCollector(p.endpoint, "text/event-stream" in self.content_type,
-                                            self.content_encoding, sampled_text=p.remembers_turns, eos=eos)
+                                            self.content_encoding, sampled_text=p.remembers_turns,
+                                            eos=self._eos_hints() if p.remembers_turns else NO_HINTS)
             for chunk in self.chunks:
                 self._collector.feed(chunk)
             self._assembled = self._collector.result() if self.status_code is not None else Assembled()
-            if self._assembled.eos_id is not None and self._assembled.eos_id not in known:
-                p.settings.eos_ids[model] = known | {self._assembled.eos_id}
+            eos_id = self._assembled.eos_id  # set only where the hints were read
+            if eos_id is not None and not p.payload.get("ignore_eos"):
+                model = str(p.payload.get("model") or "")
+                known = p.settings.eos_ids.get(model, frozenset())
+                if eos_id not in known:
+                    p.settings.eos_ids[model] = known | {eos_id}
         return self._assembled
+
+    def _eos_hints(self) -> EosHints:
+        """exact_history's: the request's token limit and the EOS IDs its model's answers showed."""
+        payload = self.pending.payload
+        if payload.get("ignore_eos"):  # vLLM's ignore_eos: an EOS ID sampled last is text the answer goes on after
+            return EosHints(token_limit(payload))
+        return EosHints(token_limit(payload), self.pending.settings.eos_ids.get(str(payload.get("model") or ""),
+                                                                                frozenset()))
 
     def build(self) -> LLMCall:
         """The record; never raises (this runs on the store's writer thread, where an exception
