@@ -5,6 +5,7 @@
     python bench/bench_learning.py smol  [--seed 0]   # 6 steps, 128 held-out problems (~15 min AVX512-BF16)
     python bench/bench_learning.py bfcl  [--seed 0]   # 30 min of RL, 147 held-out BFCL items, greedy (~70 min)
     python bench/bench_learning.py rg-arith|rg-chain  # 30 min of RL, 256 held-out reasoning-gym items (~40 min)
+    python bench/bench_learning.py bfcl --seed 1 --rl-precision bf16  # more `lightning-mw demo` flags: a variant
 
 Each was the CI test of its demo until the suite's budget (docs/benchmarks.md, "The test suite")
 moved them here; the suite keeps a short run of each that asserts the served policy's preference
@@ -25,6 +26,7 @@ import logging
 import shlex
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -53,9 +55,10 @@ PROOFS: dict[str, tuple[list[str], float]] = {
 GREEDY_MARGIN = {"bfcl", "rg-arith", "rg-chain"}  # the proofs whose margin is on greedy success
 
 
-def run_proof(task: str, seed: int, out: Path) -> dict[str, Any]:
+def run_proof(task: str, seed: int, out: Path, extra: Sequence[str] = ()) -> dict[str, Any]:
+    """`extra`: more `lightning-mw demo` flags, after the proof's own (a recipe variant to compare)."""
     flags, margin = PROOFS[task]
-    argv = ["demo", *flags, "--seed", str(seed), "--out", str(out)]
+    argv = ["demo", *flags, *extra, "--seed", str(seed), "--out", str(out)]
     cfg = replace(config_from(build_parser().parse_args(argv)), progress=False)
     run_class: type[DemoRun] | None = None
     if task == "team":
@@ -96,11 +99,11 @@ def main() -> None:
     p.add_argument("task", choices=sorted(PROOFS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="the run's folder (default: a temporary one)")
-    args = p.parse_args()
+    args, extra = p.parse_known_args()  # the rest: demo flags (`--rl-precision bf16`), kept in `command`
     logging.basicConfig(level=logging.WARNING)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix=f"bench-learning-{args.task}-"))
     with contextlib.redirect_stdout(sys.stderr):  # the demo's progress lines; stdout is the JSON alone
-        result = run_proof(args.task, args.seed, out)
+        result = run_proof(args.task, args.seed, out, extra)
     json.dump(result, sys.stdout, indent=2, default=str)
     print()
 

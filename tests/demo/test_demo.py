@@ -124,6 +124,23 @@ def test_rl_samples_at_the_training_temperature(tmp_path: Path, capsys: pytest.C
         assert repr(bad) in capsys.readouterr().err
 
 
+def test_rl_trains_in_fp32_unless_another_precision_is_asked(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_middleware.cli import build_parser
+    from trainer_backend.demo.cli import config_from
+    from trainer_backend.demo.run import DemoRun
+
+    for task in ("guess", "bfcl", "team"):  # every recipe was tuned in fp32
+        assert config_from(build_parser().parse_args(["demo", "--task", task])).rl_precision == "fp32"
+    cfg = config_from(build_parser().parse_args(["demo", "--task", "bfcl", "--rl-precision", "bf16"]))
+    assert cfg.rl_precision == "bf16" and cfg.warm_start_precision == "auto"  # the warm start keeps its own
+    run = DemoRun(dataclasses.replace(cfg, task="guess", out_dir=str(tmp_path), train_tasks=2, eval_tasks=2))
+    assert run._engine_config().precision == "bf16"  # what the engine is built with
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--rl-precision", "fp16"])
+    assert "invalid choice: 'fp16'" in capsys.readouterr().err
+
+
 def test_an_evaluation_counts_each_secrets_share_won() -> None:
     from lightning_middleware.controller import RolloutResult
     from trainer_backend.demo.agent import by_secret
