@@ -362,14 +362,25 @@ class RolloutController:
     # -- continuous mode ---------------------------------------------------------
     async def arun_continuous(self, tasks: TaskSource, *, n: int, groups_in_flight: int = 4,
                               max_groups: int | None = None, shuffle: bool = False, seed: int | None = None,
-                              on_group: OnGroup | None = None) -> ControllerStats:
+                              on_group: OnGroup | None = None, skip_uniform: float = 0.0) -> ControllerStats:
         """Keep `groups_in_flight` groups running, cycling through the tasks, until `stop()`
         or `max_groups` groups finished. Pausing holds new rollouts (and groups) back.
-        `on_group(results)` is called (sync or async) as each group completes."""
+        `on_group(results)` is called (sync or async) as each group completes.
+
+        `skip_uniform`: the chance that a task whose latest group came back uniform (every sample
+        the same reward: no signal for a group-relative advantage, and the trainer skips it) sits
+        out its next turn. 1.0 drops such a task until it is drawn in an epoch where every task
+        would sit out (which then runs them all); 0 (the default) samples every task every epoch.
+        """
         pairs = load_tasks(tasks, task_id_key=self.task_id_key)
         if not pairs:
             raise ValueError("no tasks")
+        if not 0.0 <= skip_uniform <= 1.0:
+            raise ValueError(f"skip_uniform is a probability in [0, 1], not {skip_uniform!r}")
         rng = random.Random(seed)
+        uniform: set[str] = set()  # tasks whose latest finished group had one reward
+        started_in_epoch = 0
+        skip_this_epoch = skip_uniform > 0
         self._stopping = False
         await self._enter_session()
         active: set[asyncio.Task[list[RolloutResult]]] = set()
@@ -387,16 +398,28 @@ class RolloutController:
             while not self._stopping and (max_groups is None or started < max_groups):
                 if len(active) >= groups_in_flight or self._paused:
                     done, active = await _wait_some(active, 0.05)
+                    _note_uniform(done, uniform)
                     await _report(done, on_group)
                     continue
                 if not queue:
                     epoch += 1
                     queue = order()
+                    # an epoch where every task sat out runs the next one whole (no busy loop)
+                    skip_this_epoch = skip_uniform > 0 and started_in_epoch > 0
+                    if skip_uniform > 0 and not skip_this_epoch:
+                        log.info("every task sat out epoch %d as uniform; epoch %d samples them all", epoch - 1, epoch)
+                    started_in_epoch = 0
                 tid, task = queue.pop(0)
+                if skip_this_epoch and tid in uniform and rng.random() < skip_uniform:
+                    with self._lock:
+                        self.stats.groups_skipped_uniform += 1
+                    continue
                 active.add(asyncio.ensure_future(self._group(tid, task, n, Mode.TRAIN.value, {"epoch": epoch})))
                 started += 1
+                started_in_epoch += 1
             while active:
                 done, active = await _wait_some(active, None)
+                _note_uniform(done, uniform)
                 await _report(done, on_group)
         finally:
             await cancel_and_wait(active)
@@ -405,11 +428,12 @@ class RolloutController:
 
     def run_continuous(self, tasks: TaskSource, *, n: int, groups_in_flight: int = 4, max_groups: int | None = None,
                        shuffle: bool = False, seed: int | None = None,
-                       on_group: OnGroup | None = None) -> ControllerStats:
+                       on_group: OnGroup | None = None, skip_uniform: float = 0.0) -> ControllerStats:
         """Blocking `arun_continuous`."""
         no_running_loop("run_continuous")
         return self.run_sync(self.arun_continuous(tasks, n=n, groups_in_flight=groups_in_flight, max_groups=max_groups,
-                                                  shuffle=shuffle, seed=seed, on_group=on_group))
+                                                  shuffle=shuffle, seed=seed, on_group=on_group,
+                                                  skip_uniform=skip_uniform))
 
     def start_continuous(self, tasks: TaskSource, **kwargs: Any) -> threading.Thread:
         """`run_continuous` in a background thread; end it with `stop()` then `thread.join()`.
@@ -427,6 +451,20 @@ async def _wait_some(active: set[asyncio.Task[Any]], timeout: float | None
         return set(), active
     done, pending = await asyncio.wait(active, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     return done, pending
+
+
+def _note_uniform(done: set[asyncio.Task[list[RolloutResult]]], uniform: set[str]) -> None:
+    """Mark each finished group's task uniform (two or more succeeded samples, every reward known and
+    equal) or not. A group with a reward still pending (a ranking judge scores it later) is not."""
+    for t in done:
+        results = t.result()
+        rewards = [r.reward for r in results if r.status == RolloutStatus.SUCCEEDED.value]
+        if not results:
+            continue
+        if len(rewards) >= 2 and None not in rewards and len(set(rewards)) == 1:
+            uniform.add(results[0].task_id)
+        else:
+            uniform.discard(results[0].task_id)
 
 
 async def _report(done: set[asyncio.Task[Any]], on_group: OnGroup | None) -> None:

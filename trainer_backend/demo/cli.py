@@ -71,6 +71,17 @@ def temperature(value: str) -> float:
     return t
 
 
+def probability(value: str) -> float:
+    """--skip-uniform: a chance in [0, 1]."""
+    try:
+        p = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not 0 <= p <= 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: a probability from 0 to 1")
+    return p
+
+
 def is_smol(task: str) -> bool:
     return task in SMOL_TASKS or task.startswith("rg:")
 
@@ -109,6 +120,9 @@ def add_cli(sub: Any) -> None:
                    help="RL budget in steps (the lr schedule decays over it); --minutes still caps the time")
     p.add_argument("--warm-start-precision", choices=("auto", "bf16", "fp32"), default=d.warm_start_precision,
                    help="warm-start SFT precision (auto: bf16 only where the CPU computes it natively and faster)")
+    p.add_argument("--skip-uniform", type=probability, default=d.skip_uniform, metavar="P",
+                   help="chance that a task whose last group came back uniform (no signal) sits out its next "
+                        "turn (default %(default)g; acts from the second epoch over the train tasks)")
     p.add_argument("--rl-precision", choices=("fp32", "bf16", "bf16-autocast", "auto"), default=d.rl_precision,
                    help="the RL engine's precision (default fp32, as the recipes were tuned; bf16 keeps fp32 master "
                         "weights and is the fastest where the CPU computes bf16 natively; auto: bf16 there, else fp32)")
@@ -171,7 +185,7 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
                       dual_clip=args.dual_clip if args.dual_clip and args.dual_clip > 0 else None, algo=args.algo,
                       lr_end=r["lr_end"], lr_warmup_steps=max(0, r["lr_warmup_steps"]),
                       sft_steps=args.sft_steps, warm_start_precision=args.warm_start_precision,
-                      rl_precision=args.rl_precision,
+                      rl_precision=args.rl_precision, skip_uniform=args.skip_uniform,
                       threads=args.threads, model_dir=None if smol else args.model,
                       max_steps=args.max_steps, greedy=not args.no_greedy, rewards=args.rewards,
                       train_temperature=args.train_temperature,
