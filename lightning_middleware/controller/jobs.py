@@ -175,6 +175,6 @@ class ControllerStats:
     max_in_flight: int = 0
     groups_started: int = 0
     groups_finished: int = 0
-    groups_skipped_uniform: int = 0  # continuous mode, `skip_uniform`: turns a uniform task sat out
+    groups_sat_out_uniform: int = 0  # continuous mode, `sit_out_uniform`: turns a uniform task sat out
     held_by_pause: int = 0  # times a queued rollout found the controller paused and waited (20 ms each)
     by_status: dict[str, int] = field(default_factory=dict)

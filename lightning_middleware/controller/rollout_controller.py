@@ -362,12 +362,12 @@ class RolloutController:
     # -- continuous mode ---------------------------------------------------------
     async def arun_continuous(self, tasks: TaskSource, *, n: int, groups_in_flight: int = 4,
                               max_groups: int | None = None, shuffle: bool = False, seed: int | None = None,
-                              on_group: OnGroup | None = None, skip_uniform: float = 0.0) -> ControllerStats:
+                              on_group: OnGroup | None = None, sit_out_uniform: float = 0.0) -> ControllerStats:
         """Keep `groups_in_flight` groups running, cycling through the tasks, until `stop()`
         or `max_groups` groups finished. Pausing holds new rollouts (and groups) back.
         `on_group(results)` is called (sync or async) as each group completes.
 
-        `skip_uniform`: the chance that a task whose latest group came back uniform (every sample
+        `sit_out_uniform`: the chance that a task whose latest group came back uniform (every sample
         the same reward: no signal for a group-relative advantage, and the trainer skips it) sits
         out its next turn. 1.0 drops such a task until it is drawn in an epoch where every task
         would sit out (which then runs them all); 0 (the default) samples every task every epoch.
@@ -375,12 +375,12 @@ class RolloutController:
         pairs = load_tasks(tasks, task_id_key=self.task_id_key)
         if not pairs:
             raise ValueError("no tasks")
-        if not 0.0 <= skip_uniform <= 1.0:
-            raise ValueError(f"skip_uniform is a probability in [0, 1], not {skip_uniform!r}")
+        if not 0.0 <= sit_out_uniform <= 1.0:
+            raise ValueError(f"sit_out_uniform is a probability in [0, 1], not {sit_out_uniform!r}")
         rng = random.Random(seed)
         uniform: set[str] = set()  # tasks whose latest finished group had one reward
         started_in_epoch = 0
-        skip_this_epoch = skip_uniform > 0
+        sit_out_this_epoch = sit_out_uniform > 0
         self._stopping = False
         await self._enter_session()
         active: set[asyncio.Task[list[RolloutResult]]] = set()
@@ -405,14 +405,14 @@ class RolloutController:
                     epoch += 1
                     queue = order()
                     # an epoch where every task sat out runs the next one whole (no busy loop)
-                    skip_this_epoch = skip_uniform > 0 and started_in_epoch > 0
-                    if skip_uniform > 0 and not skip_this_epoch:
+                    sit_out_this_epoch = sit_out_uniform > 0 and started_in_epoch > 0
+                    if sit_out_uniform > 0 and not sit_out_this_epoch:
                         log.info("every task sat out epoch %d as uniform; epoch %d samples them all", epoch - 1, epoch)
                     started_in_epoch = 0
                 tid, task = queue.pop(0)
-                if skip_this_epoch and tid in uniform and rng.random() < skip_uniform:
+                if sit_out_this_epoch and tid in uniform and rng.random() < sit_out_uniform:
                     with self._lock:
-                        self.stats.groups_skipped_uniform += 1
+                        self.stats.groups_sat_out_uniform += 1
                     continue
                 active.add(asyncio.ensure_future(self._group(tid, task, n, Mode.TRAIN.value, {"epoch": epoch})))
                 started += 1
@@ -428,12 +428,12 @@ class RolloutController:
 
     def run_continuous(self, tasks: TaskSource, *, n: int, groups_in_flight: int = 4, max_groups: int | None = None,
                        shuffle: bool = False, seed: int | None = None,
-                       on_group: OnGroup | None = None, skip_uniform: float = 0.0) -> ControllerStats:
+                       on_group: OnGroup | None = None, sit_out_uniform: float = 0.0) -> ControllerStats:
         """Blocking `arun_continuous`."""
         no_running_loop("run_continuous")
         return self.run_sync(self.arun_continuous(tasks, n=n, groups_in_flight=groups_in_flight, max_groups=max_groups,
                                                   shuffle=shuffle, seed=seed, on_group=on_group,
-                                                  skip_uniform=skip_uniform))
+                                                  sit_out_uniform=sit_out_uniform))
 
     def start_continuous(self, tasks: TaskSource, **kwargs: Any) -> threading.Thread:
         """`run_continuous` in a background thread; end it with `stop()` then `thread.join()`.
@@ -458,9 +458,9 @@ def _note_uniform(done: set[asyncio.Task[list[RolloutResult]]], uniform: set[str
     equal) or not. A group with a reward still pending (a ranking judge scores it later) is not."""
     for t in done:
         results = t.result()
-        rewards = [r.reward for r in results if r.status == RolloutStatus.SUCCEEDED.value]
         if not results:
             continue
+        rewards = [r.reward for r in results if r.status == RolloutStatus.SUCCEEDED.value]
         if len(rewards) >= 2 and None not in rewards and len(set(rewards)) == 1:
             uniform.add(results[0].task_id)
         else:

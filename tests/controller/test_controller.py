@@ -384,34 +384,34 @@ def test_continuous_mode_lets_tasks_whose_last_group_was_uniform_sit_out(sq: Tra
     tasks = [{"task_id": t} for t in ("solved", "never", "mixed", "half")]
     agent, started = _scripted_rewards()
     with RolloutController(agent, store=sq, concurrency=2) as c:
-        stats = c.run_continuous(tasks, n=2, groups_in_flight=1, max_groups=8, skip_uniform=1.0)
+        stats = c.run_continuous(tasks, n=2, groups_in_flight=1, max_groups=8, sit_out_uniform=1.0)
     # epoch 0 samples all four; after it, the two uniform tasks sit out every turn
     assert started == ["solved", "never", "mixed", "half", "mixed", "half", "mixed", "half"]
-    assert stats.groups_skipped_uniform == 4 and stats.groups_finished == 8
+    assert stats.groups_sat_out_uniform == 4 and stats.groups_finished == 8
     # the default samples every task every epoch, the same order as before the option existed
     agent, started = _scripted_rewards()
     with RolloutController(agent, store=sq, concurrency=2) as c:
         stats = c.run_continuous(tasks, n=2, groups_in_flight=1, max_groups=8)
-    assert started == ["solved", "never", "mixed", "half"] * 2 and stats.groups_skipped_uniform == 0
-    with RolloutController(agent, store=sq) as c, pytest.raises(ValueError, match="skip_uniform"):
-        c.run_continuous(tasks, n=2, skip_uniform=1.5)
+    assert started == ["solved", "never", "mixed", "half"] * 2 and stats.groups_sat_out_uniform == 0
+    with RolloutController(agent, store=sq) as c, pytest.raises(ValueError, match="sit_out_uniform"):
+        c.run_continuous(tasks, n=2, sit_out_uniform=1.5)
 
 
 def test_when_every_task_sits_out_the_next_epoch_samples_them_all(sq: TraceStore) -> None:
     agent, started = _scripted_rewards()
     with RolloutController(agent, store=sq, concurrency=2) as c:
         stats = c.run_continuous([{"task_id": "solved"}, {"task_id": "never"}], n=2, groups_in_flight=1,
-                                 max_groups=5, skip_uniform=1.0)
+                                 max_groups=5, sit_out_uniform=1.0)
     # epochs: 0 runs both, 1 skips both, 2 runs both (none ran in 1), 3 skips both, 4 runs one
-    assert started == ["solved", "never"] * 2 + ["solved"] and stats.groups_skipped_uniform == 4
+    assert started == ["solved", "never"] * 2 + ["solved"] and stats.groups_sat_out_uniform == 4
 
 
 def test_a_partial_chance_lets_some_uniform_turns_through(sq: TraceStore) -> None:
     agent, started = _scripted_rewards()
     tasks = [{"task_id": "solved"}, {"task_id": "mixed"}]
     with RolloutController(agent, store=sq, concurrency=2) as c:
-        stats = c.run_continuous(tasks, n=2, groups_in_flight=1, max_groups=60, skip_uniform=0.5, seed=7)
+        stats = c.run_continuous(tasks, n=2, groups_in_flight=1, max_groups=60, sit_out_uniform=0.5, seed=7)
     solved, epochs = started.count("solved"), started.count("mixed") + (started[-1] == "solved")
     # `mixed` runs every epoch; `solved` has a turn each epoch, and sits out about half of them after the first
-    assert started.count("mixed") + solved == 60 and stats.groups_skipped_uniform + solved == epochs
-    assert 8 <= stats.groups_skipped_uniform <= 32 and solved >= 8, (solved, stats.groups_skipped_uniform)
+    assert started.count("mixed") + solved == 60 and stats.groups_sat_out_uniform + solved == epochs
+    assert 8 <= stats.groups_sat_out_uniform <= 32 and solved >= 8, (solved, stats.groups_sat_out_uniform)

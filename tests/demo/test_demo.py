@@ -141,15 +141,15 @@ def test_rl_trains_in_fp32_unless_another_precision_is_asked(tmp_path: Path,
     assert "invalid choice: 'fp16'" in capsys.readouterr().err
 
 
-def test_skip_uniform_is_read_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+def test_sit_out_uniform_is_read_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     from lightning_middleware.cli import build_parser
     from trainer_backend.demo.cli import config_from
 
-    assert config_from(build_parser().parse_args(["demo"])).skip_uniform == 0.0  # every task, every epoch
-    assert config_from(build_parser().parse_args(["demo", "--skip-uniform", "0.75"])).skip_uniform == 0.75
+    assert config_from(build_parser().parse_args(["demo"])).sit_out_uniform == 0.0  # every task, every epoch
+    assert config_from(build_parser().parse_args(["demo", "--sit-out-uniform", "0.75"])).sit_out_uniform == 0.75
     for bad in ("1.5", "-0.1", "often"):
         with pytest.raises(SystemExit):
-            build_parser().parse_args(["demo", "--skip-uniform", bad])
+            build_parser().parse_args(["demo", "--sit-out-uniform", bad])
         assert repr(bad) in capsys.readouterr().err
 
 

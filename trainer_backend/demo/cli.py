@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,26 +61,24 @@ def positive(value: str) -> int:
     return n
 
 
-def temperature(value: str) -> float:
-    """--train-temperature: above 0 (greedy samples of a group are alike: no signal) and at most 2."""
+def _number_in(value: str, ok: Callable[[float], bool], what: str) -> float:
     try:
-        t = float(value)
+        x = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
-    if not 0 < t <= 2:
-        raise argparse.ArgumentTypeError(f"{value!r}: a sampling temperature above 0 and at most 2")
-    return t
+    if not ok(x):
+        raise argparse.ArgumentTypeError(f"{value!r}: {what}")
+    return x
+
+
+def temperature(value: str) -> float:
+    """--train-temperature: above 0 (greedy samples of a group are alike: no signal) and at most 2."""
+    return _number_in(value, lambda t: 0 < t <= 2, "a sampling temperature above 0 and at most 2")
 
 
 def probability(value: str) -> float:
-    """--skip-uniform: a chance in [0, 1]."""
-    try:
-        p = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
-    if not 0 <= p <= 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: a probability from 0 to 1")
-    return p
+    """--sit-out-uniform: a chance in [0, 1]."""
+    return _number_in(value, lambda p: 0 <= p <= 1, "a probability from 0 to 1")
 
 
 def is_smol(task: str) -> bool:
@@ -120,7 +119,7 @@ def add_cli(sub: Any) -> None:
                    help="RL budget in steps (the lr schedule decays over it); --minutes still caps the time")
     p.add_argument("--warm-start-precision", choices=("auto", "bf16", "fp32"), default=d.warm_start_precision,
                    help="warm-start SFT precision (auto: bf16 only where the CPU computes it natively and faster)")
-    p.add_argument("--skip-uniform", type=probability, default=d.skip_uniform, metavar="P",
+    p.add_argument("--sit-out-uniform", type=probability, default=d.sit_out_uniform, metavar="P",
                    help="chance that a task whose last group came back uniform (no signal) sits out its next "
                         "turn (default %(default)g; acts from the second epoch over the train tasks)")
     p.add_argument("--rl-precision", choices=("fp32", "bf16", "bf16-autocast", "auto"), default=d.rl_precision,
@@ -185,7 +184,7 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
                       dual_clip=args.dual_clip if args.dual_clip and args.dual_clip > 0 else None, algo=args.algo,
                       lr_end=r["lr_end"], lr_warmup_steps=max(0, r["lr_warmup_steps"]),
                       sft_steps=args.sft_steps, warm_start_precision=args.warm_start_precision,
-                      rl_precision=args.rl_precision, skip_uniform=args.skip_uniform,
+                      rl_precision=args.rl_precision, sit_out_uniform=args.sit_out_uniform,
                       threads=args.threads, model_dir=None if smol else args.model,
                       max_steps=args.max_steps, greedy=not args.no_greedy, rewards=args.rewards,
                       train_temperature=args.train_temperature,

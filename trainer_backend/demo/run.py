@@ -80,7 +80,7 @@ class DemoConfig:
     group_size: int = 8
     groups_per_step: int = 8
     groups_in_flight: int = 16  # async: groups kept running while the trainer updates
-    skip_uniform: float = 0.0  # async: chance a task whose last group was uniform sits out its next turn
+    sit_out_uniform: float = 0.0  # async: chance a task whose last group was uniform sits out its next turn
     max_staleness: int = 2
     lr: float = 3e-4  # peak: higher peaks were unstable in async mode (docs/demo.md)
     lr_end: float | None = 1e-4  # linear decay from lr to lr_end over the RL budget; None: constant
@@ -433,7 +433,7 @@ class TrainingLoop:
         """Rollouts keep running while the trainer updates; returns the threads to join."""
         cfg = self.cfg
         rollouts = self.controller.start_continuous(tasks, n=cfg.group_size, groups_in_flight=cfg.groups_in_flight,
-                                                    on_group=self.on_group, skip_uniform=cfg.skip_uniform,
+                                                    on_group=self.on_group, sit_out_uniform=cfg.sit_out_uniform,
                                                     seed=cfg.seed)
         bp = threading.Thread(target=self._backpressure, daemon=True, name="demo-backpressure")
         bp.start()
