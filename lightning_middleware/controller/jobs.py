@@ -10,10 +10,6 @@ from typing import Any
 from lightning_middleware.records import Mode
 from lightning_middleware.rewards import RewardConfig
 
-# The metadata key of a group's screening samples (`run_continuous(..., screen=k)`): its value is k.
-# The trainer reads it to take a group of k uniform screening samples as whole.
-SCREEN = "screen"
-
 
 class WorkerLost(RuntimeError):
     """The process (or Ray actor) running a rollout died before reporting back."""
@@ -180,6 +176,5 @@ class ControllerStats:
     groups_started: int = 0
     groups_finished: int = 0
     groups_sat_out_uniform: int = 0  # continuous mode, `sit_out_uniform`: turns a uniform task sat out
-    groups_screened_out: int = 0  # continuous mode, `screen`: groups that ended after their uniform first samples
     held_by_pause: int = 0  # times a queued rollout found the controller paused and waited (20 ms each)
     by_status: dict[str, int] = field(default_factory=dict)

@@ -31,20 +31,13 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
 from lightning_middleware.controller.backends import Backend, PodTemplate, make_backend
 from lightning_middleware.controller.execution import AgentFn, failure, no_running_loop, resolve_agent, worker_name
-from lightning_middleware.controller.jobs import (
-    SCREEN,
-    ControllerStats,
-    RetryPolicy,
-    RolloutJob,
-    RolloutOutcome,
-    RolloutResult,
-)
+from lightning_middleware.controller.jobs import ControllerStats, RetryPolicy, RolloutJob, RolloutOutcome, RolloutResult
 from lightning_middleware.controller.settling import cancel_and_wait, finish_despite_cancellation, gather_settled
 from lightning_middleware.controller.tasks import TaskSource, load_tasks
 from lightning_middleware.records import Mode, Rollout, RolloutStatus
@@ -325,24 +318,13 @@ class RolloutController:
                                  rollout_ids=tuple(ids), mode=mode)
 
     async def _group(self, task_id: str, task: dict[str, Any], n: int, mode: str,
-                     extra: dict[str, Any] | None = None, screen: int = 0) -> list[RolloutResult]:
+                     extra: dict[str, Any] | None = None) -> list[RolloutResult]:
         with self._lock:
             self.stats.groups_started += 1
-        if screen:  # the first `screen` samples, tagged so the trainer knows such a group may end there
-            first = list(await gather_settled(self._sample(task_id, task, i, mode, {**(extra or {}), SCREEN: screen})
-                                              for i in range(screen)))
-            if _uniform(first):
-                with self._lock:
-                    self.stats.groups_screened_out += 1
-                    self.stats.groups_finished += 1
-                return first
-            rest = await gather_settled(self._sample(task_id, task, i, mode, extra) for i in range(screen, n))
-            results = first + list(rest)
-        else:
-            results = list(await gather_settled(self._sample(task_id, task, i, mode, extra) for i in range(n)))
+        results = await gather_settled(self._sample(task_id, task, i, mode, extra) for i in range(n))
         with self._lock:
             self.stats.groups_finished += 1
-        return results
+        return list(results)
 
     # -- batch mode --------------------------------------------------------------
     async def arun(self, tasks: TaskSource, *, n: int = 1, mode: str = Mode.TRAIN.value,
@@ -380,16 +362,10 @@ class RolloutController:
     # -- continuous mode ---------------------------------------------------------
     async def arun_continuous(self, tasks: TaskSource, *, n: int, groups_in_flight: int = 4,
                               max_groups: int | None = None, shuffle: bool = False, seed: int | None = None,
-                              on_group: OnGroup | None = None, sit_out_uniform: float = 0.0,
-                              screen: int = 0) -> ControllerStats:
+                              on_group: OnGroup | None = None, sit_out_uniform: float = 0.0) -> ControllerStats:
         """Keep `groups_in_flight` groups running, cycling through the tasks, until `stop()`
         or `max_groups` groups finished. Pausing holds new rollouts (and groups) back.
         `on_group(results)` is called (sync or async) as each group completes.
-
-        `screen=k` (2 <= k < n): each group samples k first, and stops there when those k succeed
-        with one known reward (a task the policy always or never solves); the other n - k follow
-        only when they differ. The k carry `metadata["screen"] = k`, from which the trainer knows such
-        a group is whole. 0 (the default) samples all n at once.
 
         `sit_out_uniform`: the chance that a task whose latest group came back uniform (every sample
         the same reward: no signal for a group-relative advantage, and the trainer skips it) sits
@@ -401,10 +377,8 @@ class RolloutController:
             raise ValueError("no tasks")
         if not 0.0 <= sit_out_uniform <= 1.0:
             raise ValueError(f"sit_out_uniform is a probability in [0, 1], not {sit_out_uniform!r}")
-        if screen and not 2 <= screen < n:
-            raise ValueError(f"screen samples 2 to n - 1 = {n - 1} of a group first (0: off), not {screen!r}")
         rng = random.Random(seed)
-        uniform_tasks: set[str] = set()  # tasks whose latest finished group had one reward
+        uniform: set[str] = set()  # tasks whose latest finished group had one reward
         started_in_epoch = 0
         sit_out_this_epoch = sit_out_uniform > 0
         self._stopping = False
@@ -424,7 +398,7 @@ class RolloutController:
             while not self._stopping and (max_groups is None or started < max_groups):
                 if len(active) >= groups_in_flight or self._paused:
                     done, active = await _wait_some(active, 0.05)
-                    _note_uniform(done, uniform_tasks)
+                    _note_uniform(done, uniform)
                     await _report(done, on_group)
                     continue
                 if not queue:
@@ -436,16 +410,16 @@ class RolloutController:
                         log.info("every task sat out epoch %d as uniform; epoch %d samples them all", epoch - 1, epoch)
                     started_in_epoch = 0
                 tid, task = queue.pop(0)
-                if sit_out_this_epoch and tid in uniform_tasks and rng.random() < sit_out_uniform:
+                if sit_out_this_epoch and tid in uniform and rng.random() < sit_out_uniform:
                     with self._lock:
                         self.stats.groups_sat_out_uniform += 1
                     continue
-                active.add(asyncio.ensure_future(self._group(tid, task, n, Mode.TRAIN.value, {"epoch": epoch}, screen)))
+                active.add(asyncio.ensure_future(self._group(tid, task, n, Mode.TRAIN.value, {"epoch": epoch})))
                 started += 1
                 started_in_epoch += 1
             while active:
                 done, active = await _wait_some(active, None)
-                _note_uniform(done, uniform_tasks)
+                _note_uniform(done, uniform)
                 await _report(done, on_group)
         finally:
             await cancel_and_wait(active)
@@ -454,13 +428,12 @@ class RolloutController:
 
     def run_continuous(self, tasks: TaskSource, *, n: int, groups_in_flight: int = 4, max_groups: int | None = None,
                        shuffle: bool = False, seed: int | None = None,
-                       on_group: OnGroup | None = None, sit_out_uniform: float = 0.0,
-                       screen: int = 0) -> ControllerStats:
+                       on_group: OnGroup | None = None, sit_out_uniform: float = 0.0) -> ControllerStats:
         """Blocking `arun_continuous`."""
         no_running_loop("run_continuous")
         return self.run_sync(self.arun_continuous(tasks, n=n, groups_in_flight=groups_in_flight, max_groups=max_groups,
                                                   shuffle=shuffle, seed=seed, on_group=on_group,
-                                                  sit_out_uniform=sit_out_uniform, screen=screen))
+                                                  sit_out_uniform=sit_out_uniform))
 
     def start_continuous(self, tasks: TaskSource, **kwargs: Any) -> threading.Thread:
         """`run_continuous` in a background thread; end it with `stop()` then `thread.join()`.
@@ -480,23 +453,18 @@ async def _wait_some(active: set[asyncio.Task[Any]], timeout: float | None
     return done, pending
 
 
-def _uniform(results: Sequence[RolloutResult]) -> bool:
-    """Whether a group carries no signal: two or more succeeded samples, every reward known and equal.
-    A group with a reward still pending (a ranking judge scores it later) is not."""
-    rewards = [r.reward for r in results if r.status == RolloutStatus.SUCCEEDED.value]
-    return len(rewards) >= 2 and None not in rewards and len(set(rewards)) == 1
-
-
-def _note_uniform(done: set[asyncio.Task[list[RolloutResult]]], uniform_tasks: set[str]) -> None:
-    """Mark each finished group's task uniform or not."""
+def _note_uniform(done: set[asyncio.Task[list[RolloutResult]]], uniform: set[str]) -> None:
+    """Mark each finished group's task uniform (two or more succeeded samples, every reward known and
+    equal) or not. A group with a reward still pending (a ranking judge scores it later) is not."""
     for t in done:
         results = t.result()
         if not results:
             continue
-        if _uniform(results):
-            uniform_tasks.add(results[0].task_id)
+        rewards = [r.reward for r in results if r.status == RolloutStatus.SUCCEEDED.value]
+        if len(rewards) >= 2 and None not in rewards and len(set(rewards)) == 1:
+            uniform.add(results[0].task_id)
         else:
-            uniform_tasks.discard(results[0].task_id)
+            uniform.discard(results[0].task_id)
 
 
 async def _report(done: set[asyncio.Task[Any]], on_group: OnGroup | None) -> None:

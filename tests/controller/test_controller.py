@@ -397,24 +397,6 @@ def test_continuous_mode_lets_tasks_whose_last_group_was_uniform_sit_out(sq: Tra
         c.run_continuous(tasks, n=2, sit_out_uniform=1.5)
 
 
-def test_screening_ends_a_group_whose_first_samples_agree(sq: TraceStore) -> None:
-    tasks = [{"task_id": t} for t in ("solved", "never", "mixed", "half")]
-    agent, _ = _scripted_rewards()
-    with RolloutController(agent, store=sq, concurrency=2) as c:
-        stats = c.run_continuous(tasks, n=4, groups_in_flight=1, max_groups=4, screen=2)
-    rollouts = sq.query_rollouts(mode="train")
-    count = {t["task_id"]: sum(r.task_id == t["task_id"] for r in rollouts) for t in tasks}
-    # `solved` and `never` stop after 2 agreeing samples; `mixed` (1 then 0) and `half` (a failed
-    # sample: one reward is no verdict) sample all 4
-    assert count == {"solved": 2, "never": 2, "mixed": 4, "half": 4}
-    assert stats.groups_screened_out == 2 and stats.groups_finished == 4 and stats.started == 12
-    tagged = {(r.task_id, r.metadata["sample_index"]) for r in rollouts if r.metadata.get("screen") == 2}
-    assert tagged == {(t, i) for t in count for i in (0, 1)}  # the screening samples, and only they
-    for bad in (1, 4, 5):
-        with RolloutController(agent, store=sq) as c, pytest.raises(ValueError, match="screen samples 2 to n - 1"):
-            c.run_continuous(tasks, n=4, screen=bad)
-
-
 def test_when_every_task_sits_out_the_next_epoch_samples_them_all(sq: TraceStore) -> None:
     agent, started = _scripted_rewards()
     with RolloutController(agent, store=sq, concurrency=2) as c:

@@ -153,20 +153,6 @@ def test_sit_out_uniform_is_read_from_the_command_line(capsys: pytest.CaptureFix
         assert repr(bad) in capsys.readouterr().err
 
 
-def test_screen_is_read_from_the_command_line_and_checked(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
-    from lightning_middleware.cli import build_parser
-    from trainer_backend.demo.cli import config_from, run_cli
-
-    assert config_from(build_parser().parse_args(["demo"])).screen == 0  # off: every group samples all n
-    assert config_from(build_parser().parse_args(["demo", "--task", "bfcl", "--screen", "2"])).screen == 2
-    # refused before anything starts: K of 1 or of the group size, or a sync run
-    for argv in (["--screen", "1"], ["--screen", "8"], ["--task", "bfcl", "--screen", "4"],
-                 ["--sync", "--screen", "2"]):
-        assert run_cli(build_parser().parse_args(["demo", "--out", str(tmp_path / "x"), *argv])) == 2
-        assert "--screen is for async runs" in capsys.readouterr().err
-    assert not (tmp_path / "x").exists()
-
-
 def test_an_evaluation_counts_each_secrets_share_won() -> None:
     from lightning_middleware.controller import RolloutResult
     from trainer_backend.demo.agent import by_secret

@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
@@ -48,14 +47,13 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def run_rollouts(server: LLMTestServer, store: TraceStore, tasks: dict[str, list[float]], *,
-                 policy_version: int | None = None, status_fail: set[tuple[str, int]] = frozenset(),
-                 metadata: dict[str, Any] | None = None) -> None:
+                 policy_version: int | None = None, status_fail: set[tuple[str, int]] = frozenset()) -> None:
     """One 2-turn rollout per reward listed for each task."""
     client = wrap(openai.OpenAI(base_url=server.base_url, api_key="x"), store=store)
     for task, rewards in tasks.items():
         for i, reward in enumerate(rewards):
             try:
-                with rollout(task, store=store, policy_version=policy_version, metadata=metadata) as r:
+                with rollout(task, store=store, policy_version=policy_version) as r:
                     msgs = [{"role": "user", "content": f"{task} try {i}"}]
                     out = client.chat.completions.create(model="m", messages=msgs, max_tokens=12)
                     msgs += [{"role": "assistant", "content": out.choices[0].message.content},
@@ -115,27 +113,6 @@ def test_step_consumes_groups_and_commits_version(llm_server, store, model_dir, 
     missing = set(STEP_METRICS) - set(step.metrics)
     assert not missing, f"the daemon no longer writes {sorted(missing)} (records.STEP_METRICS, notebooks)"
     assert daemon.step_once() is None  # nothing left
-
-
-def test_a_group_screened_out_by_the_controller_leaves_the_pool_at_once(llm_server, store, model_dir,
-                                                                       tmp_path) -> None:
-    """`run_continuous(screen=2)` ends a group after 2 samples with one reward: the trainer takes
-    those 2 as the whole group (skipped as uniform) rather than hold them for the group timeout.
-    Screening samples that differ, or samples not tagged, wait for the rest of their group."""
-    run_rollouts(llm_server, store, {"screened": [1, 1], "screened_0": [0, 0], "differ": [1, 0]},
-                 metadata={"screen": 2})
-    run_rollouts(llm_server, store, {"untagged": [1, 1]})
-    daemon = make_daemon(store, model_dir, tmp_path)  # groups of 4, min 2, the 300 s timeout
-    assert daemon.step_once() is None
-    assert daemon.skipped_total["uniform_reward"] == 4
-    consumed = store.query_rollouts(consumed=True)
-    assert sorted(r.task_id for r in consumed) == ["screened"] * 2 + ["screened_0"] * 2
-    # the rest of `differ`'s group comes: it trains with its 2 screening samples
-    run_rollouts(llm_server, store, {"differ": [0, 1]})
-    run_rollouts(llm_server, store, {"b": [0, 0, 1, 1]})
-    [result] = daemon.run(max_steps=1)
-    assert result.metrics["n_groups"] == 2 and result.metrics["n_rollouts"] == 8
-    assert {r.task_id for r in store.query_rollouts(consumed=False)} == {"untagged"}
 
 
 def test_the_step_breakdown_adds_up_to_the_time_between_steps(llm_server, store, model_dir, tmp_path) -> None:

@@ -41,8 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_middleware import PolicyVersion, Rollout, TraceStore, TrainStep
-from lightning_middleware.controller.jobs import SCREEN
-from lightning_middleware.records import Event, RolloutStatus
+from lightning_middleware.records import Event
 from lightning_middleware.rows import RowStats, build_rows_for_rollouts
 from lightning_middleware.store import LeaseLost, StoreError, get_store
 from trainer_backend.daemon.config import Batch, StepResult, TrainerConfig
@@ -228,7 +227,7 @@ class TrainerDaemon:
         ready = []
         for members in groups.values():
             oldest = min(r.ended_at or r.created_at for r in members)
-            if len(members) >= g.group_size or now - oldest > g.group_timeout_s or _screened_out(members):
+            if len(members) >= g.group_size or now - oldest > g.group_timeout_s:
                 ready.append(members[: g.group_size])
         return ready
 
@@ -401,15 +400,6 @@ class TrainerDaemon:
             **self.rewards.step_metrics(rollouts),
             **publish,
         }
-
-
-def _screened_out(members: Sequence[Rollout]) -> bool:
-    """A group the controller ended after its screening samples (`run_continuous(screen=k)`): k of
-    them, every one succeeded with one reward. No more samples of it are coming."""
-    k = members[0].metadata.get(SCREEN)
-    return (isinstance(k, int) and len(members) == k and all(r.metadata.get(SCREEN) == k for r in members)
-            and all(r.status == RolloutStatus.SUCCEEDED and r.final_reward is not None for r in members)
-            and len({r.final_reward for r in members}) == 1)
 
 
 def _reward_profile(r: Rollout, per_agent: dict[str, dict[str, float]], per_step: dict[str, dict[int, float]]

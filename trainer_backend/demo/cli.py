@@ -122,9 +122,6 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--sit-out-uniform", type=probability, default=d.sit_out_uniform, metavar="P",
                    help="chance that a task whose last group came back uniform (no signal) sits out its next "
                         "turn (default %(default)g; acts from the second epoch over the train tasks)")
-    p.add_argument("--screen", type=int, default=d.screen, metavar="K",
-                   help="async: sample K of a group first and stop there when they agree (no signal); the rest "
-                        "only when they differ (default %(default)d: off; 2 <= K < the group size)")
     p.add_argument("--rl-precision", choices=("fp32", "bf16", "bf16-autocast", "auto"), default=d.rl_precision,
                    help="the RL engine's precision (default fp32, as the recipes were tuned; bf16 keeps fp32 master "
                         "weights and is the fastest where the CPU computes bf16 natively; auto: bf16 there, else fp32)")
@@ -188,7 +185,6 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
                       lr_end=r["lr_end"], lr_warmup_steps=max(0, r["lr_warmup_steps"]),
                       sft_steps=args.sft_steps, warm_start_precision=args.warm_start_precision,
                       rl_precision=args.rl_precision, sit_out_uniform=args.sit_out_uniform,
-                      screen=args.screen,
                       threads=args.threads, model_dir=None if smol else args.model,
                       max_steps=args.max_steps, greedy=not args.no_greedy, rewards=args.rewards,
                       train_temperature=args.train_temperature,
@@ -215,10 +211,6 @@ def run_cli(args: argparse.Namespace) -> int:
               "(and smollm2 runs arith, bfcl or rg:NAME)", file=sys.stderr)
         return 2
     cfg = config_from(args)
-    if cfg.screen and (cfg.mode == "sync" or not 2 <= cfg.screen < cfg.group_size):
-        print(f"lightning-mw demo: --screen is for async runs, 2 to the group size - 1 ({cfg.group_size - 1}), "
-              f"not {cfg.screen}", file=sys.stderr)
-        return 2
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         from transformers.utils import logging as hf_logging

@@ -81,7 +81,6 @@ class DemoConfig:
     groups_per_step: int = 8
     groups_in_flight: int = 16  # async: groups kept running while the trainer updates
     sit_out_uniform: float = 0.0  # async: chance a task whose last group was uniform sits out its next turn
-    screen: int = 0  # async: a group's first samples; it ends there when they agree (0: off)
     max_staleness: int = 2
     lr: float = 3e-4  # peak: higher peaks were unstable in async mode (docs/demo.md)
     lr_end: float | None = 1e-4  # linear decay from lr to lr_end over the RL budget; None: constant
@@ -435,7 +434,7 @@ class TrainingLoop:
         cfg = self.cfg
         rollouts = self.controller.start_continuous(tasks, n=cfg.group_size, groups_in_flight=cfg.groups_in_flight,
                                                     on_group=self.on_group, sit_out_uniform=cfg.sit_out_uniform,
-                                                    screen=cfg.screen, seed=cfg.seed)
+                                                    seed=cfg.seed)
         bp = threading.Thread(target=self._backpressure, daemon=True, name="demo-backpressure")
         bp.start()
         self.daemon.run(on_step=self.on_step)
