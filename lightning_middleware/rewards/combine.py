@@ -18,7 +18,9 @@ pending and the rollout has no final reward yet, so nothing trains on a sum with
 term missing; a "reward_pending" reward (its metadata names the pending components) says so,
 so a trainer that cannot rank (no `--reward-config`) can tell "waiting for a ranking" from
 "no reward" and say what to do. A group of one has no ranking: the component is absent, the final's metadata
-says why (`notes`).
+says why (`notes`). With `rank_judge.scope = "uniform"` the judge is asked only for a group whose
+other components give every member one final reward; in a group they already tell apart the
+component is absent in every member (so the group's advantages compare like with like), noted so.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 from lightning_middleware.records import Reward, RolloutStatus
 from lightning_middleware.rewards.config import RANK_JUDGE, Component, RewardConfig
 from lightning_middleware.rewards.guards import BUILTIN_GUARDS
-from lightning_middleware.rewards.ranking import GroupRanking, rank_groups
+from lightning_middleware.rewards.ranking import TOLD_APART, GroupRanking, rank_groups
 from lightning_middleware.rewards.rules import BUILTIN_RULES, Rule, Score, as_score, resolve
 from lightning_middleware.rewards.sources import human_score, local_scorer, model_score
 from lightning_middleware.rewards.trajectory import HUMAN, Trajectory, load_trajectory
@@ -169,28 +171,54 @@ class Scorer:
         """`score_group` for each group, the judge ranking them concurrently (`rank_judge.concurrency`
         at a time): a slow judge costs about one latency for a round of groups, not one per group."""
         cfg = self.config.rank_judge
-        asked = [g for g in groups if cfg is not None and not (
+        # scope "uniform": every other component first (once), to see which groups they tell apart
+        others = {id(t): self._others(t, reuse_model) for g in groups for t in g} \
+            if cfg is not None and cfg.scope == "uniform" else {}
+        told_apart = {id(g) for g in groups if others and self._tell_apart(g, others)}
+        asked = [g for g in groups if cfg is not None and id(g) not in told_apart and not (
             reuse_model and all(_latest(t.rewards, RANK_JUDGE, self.hash) for t in g))]
         rankings = dict(zip(map(id, asked), rank_groups(asked, cfg))) if cfg is not None else {}
+        rankings.update({i: GroupRanking(note=TOLD_APART) for i in told_apart})
         out = []
         for g in groups:
             ranking = rankings.get(id(g))
             out.append(([self.score(t, reuse_model=reuse_model,
-                                    rank=None if ranking is None else self._group_rank(ranking, t.rollout.id))
+                                    rank=None if ranking is None else self._group_rank(ranking, t.rollout.id),
+                                    others=others.get(id(t)))
                          for t in g], ranking))
         return out
 
-    def score(self, t: Trajectory, *, reuse_model: bool = False, rank: ComponentValue | None = None) -> Scored:
+    def _tell_apart(self, group: Sequence[Trajectory], others: Mapping[int, tuple[list[ComponentValue],
+                                                                                   list[ComponentValue]]]) -> bool:
+        """Whether the components other than the judge give the group's members more than one final reward."""
+        cfg = self.config.rank_judge
+        assert cfg is not None
+        absent = ComponentValue(RANK_JUDGE, RANK_JUDGE, cfg.weight, None)
+        finals = [self._scored(t, [*others[id(t)][0], absent, *others[id(t)][1]]).final for t in group]
+        return None not in finals and len(set(finals)) > 1
+
+    def _others(self, t: Trajectory, reuse_model: bool) -> tuple[list[ComponentValue], list[ComponentValue]]:
+        """Every component but the ranking judge's: those before it, and those after it (the human's)."""
+        before = [self._run(c, t) for c in self.config.components]
+        if self.config.reward_model is not None:
+            before.append(self._model(t, reuse_model))
+        after = []
+        if self.config.human is not None:
+            after.append(self._value(HUMAN, HUMAN, self.config.human.weight, human_score(t)))
+        return before, after
+
+    def score(self, t: Trajectory, *, reuse_model: bool = False, rank: ComponentValue | None = None,
+              others: tuple[list[ComponentValue], list[ComponentValue]] | None = None) -> Scored:
         """Every component of `t` and the final reward. `reuse_model`: take the reward model's
         value stored under this configuration, if there is one, instead of asking it again.
-        `rank`: the ranking judge's component from `score_group` (else the stored one)."""
-        parts = [self._run(c, t) for c in self.config.components]
-        if self.config.reward_model is not None:
-            parts.append(self._model(t, reuse_model))
-        if self.config.rank_judge is not None:
-            parts.append(rank if rank is not None else self._stored_rank(t))
-        if self.config.human is not None:
-            parts.append(self._value(HUMAN, HUMAN, self.config.human.weight, human_score(t)))
+        `rank`: the ranking judge's component from `score_group` (else the stored one); `others`:
+        the rest, computed already by `score_groups`."""
+        before, after = others if others is not None else self._others(t, reuse_model)
+        judge = [rank if rank is not None else self._stored_rank(t)] if self.config.rank_judge is not None else []
+        return self._scored(t, [*before, *judge, *after])
+
+    def _scored(self, t: Trajectory, parts: list[ComponentValue]) -> Scored:
+        """The final reward of `t` from its components' values."""
         failed = any(p.error for p in parts)
         final = None if (failed and self.config.on_error == "drop") or any(p.pending for p in parts) else sum(
             p.weight * p.value for p in parts if p.value is not None)

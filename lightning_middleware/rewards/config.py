@@ -59,7 +59,8 @@ _TOP_KEYS = {"reward_type", "on_error", "rules", "guards", "reward_model", "rank
 _MODEL_KEYS = {"weight", "url", "model", "scorer", "path", "prompt", "max_score", "scale", "offset", "timeout_s",
                "retries", "api_key_env", "max_chars"}
 _RANK_KEYS = {"weight", "url", "model", "prompt", "timeout_s", "retries", "api_key_env", "max_chars",
-              "max_tokens", "shuffle", "concurrency", "deadline_s"}
+              "max_tokens", "shuffle", "concurrency", "deadline_s", "scope"}
+RANK_SCOPES = ("all", "uniform")
 _RANK_EFFORT = {"api_key_env", "timeout_s", "retries", "concurrency", "deadline_s"}  # how, not what: not hashed
 _HUMAN_KEYS = {"weight", "interval"}
 
@@ -137,6 +138,9 @@ class RankJudgeConfig:
     shuffle: bool = True  # candidates in an order drawn from their ids, so no rollout is always "A"
     concurrency: int = 4  # groups ranked at once (the trainer's ready groups, a rescore's groups)
     deadline_s: float = 120.0  # one group's ranking, every answer and retry together; then it failed
+    # Which groups the judge ranks: "all", or "uniform": only those whose other components give
+    # every member one final reward (no signal without the judge); the rest are not asked.
+    scope: str = "all"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.url, str) and self.url and isinstance(self.model, str) and self.model):
@@ -154,9 +158,13 @@ class RankJudgeConfig:
                 raise ConfigError(f"rank_judge.{key} must be text, got {getattr(self, key)!r}")
         if not isinstance(self.shuffle, bool):
             raise ConfigError(f"rank_judge.shuffle must be true or false, got {self.shuffle!r}")
+        if self.scope not in RANK_SCOPES:
+            raise ConfigError(f"rank_judge.scope must be one of {', '.join(map(repr, RANK_SCOPES))}, "
+                              f"got {self.scope!r}")
 
     def describe(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in sorted(_RANK_KEYS - _RANK_EFFORT)}
+        # the default scope is left out: configurations written before it existed keep their hash
+        return {k: getattr(self, k) for k in sorted(_RANK_KEYS - _RANK_EFFORT) if k != "scope" or self.scope != "all"}
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ DEFAULT_RANK_PROMPT = (
     "sentence of reason."
 )
 SINGLETON = "group of 1: nothing to rank against"
+TOLD_APART = 'the other components already tell the group apart (rank_judge.scope = "uniform"): not ranked'
 MAX_CANDIDATES = 26 * 27  # A..Z, AA..ZZ: the labels an answer can name
 _MIN_SHARE = 200  # characters a candidate gets even in a very large group
 _LETTER = r"(?:[Cc]andidate\s+)?[\[(*\"']*([A-Z]{1,2})[\])*\"'.]*"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from lightning_middleware.records import Rollout, RolloutStatus
 from lightning_middleware.rewards.combine import REWARD_MODEL, Scorer
 from lightning_middleware.rewards.config import RewardConfig
+from lightning_middleware.rewards.ranking import SINGLETON, TOLD_APART
 from lightning_middleware.rewards.sources import Calibration, calibrate
 from lightning_middleware.rewards.trajectory import HUMAN, Trajectory, load_trajectories
 from lightning_middleware.store import TraceStore
@@ -36,19 +37,23 @@ class RescoreReport:
     applied: int  # of which the final reward became the rollout's final_reward
     rewards_written: int
     # the ranking judge (zero without one): groups it ranked, groups it could not rank (its
-    # answers never readable, or it failed), groups of one (nothing to rank), unreadable answers
+    # answers never readable, or it failed), groups of one (nothing to rank), unreadable answers,
+    # groups the other components told apart (not asked: rank_judge.scope = "uniform")
     groups_ranked: int = 0
     groups_failed: int = 0
     groups_of_one: int = 0
     unparseable_answers: int = 0
+    groups_told_apart: int = 0
 
     def summary(self) -> str:
         """One line for a person (the `rewards rescore` command prints it)."""
         text = (f"re-scored {self.rollouts} rollouts under {self.config_hash}: {self.with_final} with a final "
                 f"reward, {self.applied} applied to final_reward, {self.rewards_written} rewards written")
-        if self.groups_ranked or self.groups_failed or self.groups_of_one:
+        if self.groups_ranked or self.groups_failed or self.groups_of_one or self.groups_told_apart:
             text += (f"; ranking judge: {self.groups_ranked} groups ranked, {self.groups_failed} failed, "
                      f"{self.groups_of_one} of one (not ranked), {self.unparseable_answers} unparseable answers")
+            if self.groups_told_apart:
+                text += f", {self.groups_told_apart} told apart by the other components (not ranked)"
         return text
 
 
@@ -66,7 +71,7 @@ def rescore(store: TraceStore, config: RewardConfig | Scorer, *, rollout_ids: Se
         rollouts = [r for r in found if r is not None]
     else:
         rollouts = store.query_rollouts(status=ENDED, task_id=task_id, mode=mode, since=since, limit=limit)
-    counts = dict.fromkeys(("n", "finals", "applied", "written", "ranked", "failed", "single", "bad"), 0)
+    counts = dict.fromkeys(("n", "finals", "applied", "written", "ranked", "failed", "single", "bad", "apart"), 0)
     for group in _chunks(rollouts, batch, by_group=scorer.config.rank_judge is not None):
         trajectories = load_trajectories(store, group)
         groups = _groups(trajectories) if scorer.config.rank_judge is not None else [trajectories]
@@ -75,7 +80,8 @@ def rescore(store: TraceStore, config: RewardConfig | Scorer, *, rollout_ids: Se
             if ranking is not None:
                 counts["ranked"] += bool(ranking.values)
                 counts["failed"] += ranking.error is not None
-                counts["single"] += ranking.note is not None
+                counts["single"] += ranking.note == SINGLETON
+                counts["apart"] += ranking.note == TOLD_APART
                 counts["bad"] += ranking.unparseable
             for t, s in zip(members, scored):
                 result = scorer.store_scored(store, t, apply=apply, scored=s)
@@ -86,7 +92,7 @@ def rescore(store: TraceStore, config: RewardConfig | Scorer, *, rollout_ids: Se
                 if on_rollout is not None:
                     on_rollout(t.rollout.id, s.final)
     report = RescoreReport(scorer.hash, counts["n"], counts["finals"], counts["applied"], counts["written"],
-                           counts["ranked"], counts["failed"], counts["single"], counts["bad"])
+                           counts["ranked"], counts["failed"], counts["single"], counts["bad"], counts["apart"])
     log.info("%s", report.summary())
     return report
 

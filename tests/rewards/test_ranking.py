@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from lightning_middleware import RewardConfig, TraceStore, rollout
 from lightning_middleware.rewards import ConfigError, RankParseError, Scorer, parse_ranking, rescore
-from lightning_middleware.rewards.ranking import SINGLETON, letters, rank_values
+from lightning_middleware.rewards.ranking import SINGLETON, TOLD_APART, letters, rank_values
 from tests.rewards.helpers import client_for, tool_agent
 from tests.rewards.ranking_judge import by_errors, candidates, ranking_judge
 
@@ -247,6 +247,32 @@ def test_a_group_of_one_is_not_ranked_and_stays_so(store: TraceStore) -> None:
     assert again.scored.final == 1.0 and again.scored.pending == ()
     final = _mine(store, rid, cfg.hash)["final"]
     assert final.metadata["absent"] == ["rank_judge"] and final.metadata["notes"]["rank_judge"] == SINGLETON
+
+
+def test_scope_uniform_asks_the_judge_only_for_groups_the_rules_leave_tied(store: TraceStore) -> None:
+    with ranking_judge(["Ranking: A > B > C"]) as judge:
+        cfg = RewardConfig.from_dict({"rules": {"tool_error": -1.0}, "rank_judge": {
+            "url": judge.url, "model": "judge", "weight": 0.5, "shuffle": False, "scope": "uniform"}})
+        apart = _rollouts(store, ["ok", "Error: boom"], task="apart", config=cfg)
+        tied = _rollouts(store, ["Error: a", "Error: b", "Error: c"], task="tied", config=cfg)
+        for rid in apart + tied:  # as they end, every rollout waits for its group, as with scope "all"
+            assert store.get_rollout(rid).final_reward is None
+        report = rescore(store, cfg)
+        assert (report.groups_ranked, report.groups_told_apart, report.groups_of_one) == (1, 1, 0)
+        assert "1 told apart by the other components (not ranked)" in report.summary()
+        [body] = judge.seen  # the tied group only
+        assert sorted(candidates(body)) == ["A", "B", "C"]
+        again = Scorer(cfg).score_rollout(store, apart[0])  # scored alone later: absent, not pending again
+        assert again.scored.pending == () and again.scored.final == 0.0 and len(judge.seen) == 1
+    for rid, rule in zip(apart, (0.0, -1.0)):  # the rules alone, in every member of the group
+        mine = _mine(store, rid, cfg.hash)
+        assert "rank_judge" not in mine and mine["final"].value == rule == store.get_rollout(rid).final_reward
+        assert mine["final"].metadata["notes"] == {"rank_judge": TOLD_APART}
+    finals = [store.get_rollout(rid).final_reward for rid in tied]
+    assert finals == pytest.approx([-1.0 + 0.5 * v for v in (1.0, 0.5, 0.0)])  # the judge breaks the tie
+    assert _config("u").hash == _config("u", scope="all").hash != _config("u", scope="uniform").hash
+    with pytest.raises(ConfigError, match="rank_judge.scope must be one of 'all', 'uniform', got 'ties'"):
+        _config("u", scope="ties")
 
 
 def test_a_large_group_is_cut_to_max_chars(store: TraceStore) -> None:

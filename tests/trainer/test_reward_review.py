@@ -107,6 +107,26 @@ def test_ready_groups_are_ranked_concurrently_and_the_judge_time_is_a_metric(llm
     print(f"4 groups, judge latency {latency} s: reward_judge_s {m['reward_judge_s']:.2f}, collect {collect_s:.2f} s")
 
 
+def test_with_scope_uniform_the_judge_ranks_only_the_groups_the_rules_leave_without_signal(
+        llm_server, store: TraceStore, model_dir, tmp_path) -> None:
+    run_rollouts(llm_server, store, {**TASKS, "c": [1, 1, 1, 1]})
+    with ranking_judge(_in_order) as judge:
+        cfg = RewardConfig.from_dict({"rules": {"agent_reward": 1.0}, "rank_judge": {
+            "url": judge.url, "model": "j", "weight": 0.5, "scope": "uniform"}})
+        daemon = make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg, rank_ahead=False),
+                             group=GroupPolicy(group_size=4, groups_per_step=3, min_group_size=2))
+        result = daemon.step_once()
+        [body] = judge.seen  # group c alone: a and b have signal from their rules
+        assert len(candidates(body)) == 4
+    assert result is not None
+    m = result.metrics
+    # c's ranking gave it signal: it trains beside a and b, instead of being skipped as uniform
+    assert m["n_groups"] == 3 and m["n_rollouts"] == 12 and "skipped_uniform_reward" not in m
+    assert m["rank_judge_groups"] == 1 and m["rank_judge_groups_told_apart"] == 2
+    assert {r.final_reward for r in store.query_rollouts(task_id="a")} == {0.0, 1.0}  # the rules alone
+    assert len({r.final_reward for r in store.query_rollouts(task_id="c")}) == 4
+
+
 def test_a_backlog_of_ready_groups_is_ranked_a_chunk_at_a_time(llm_server, store: TraceStore, model_dir,
                                                                  tmp_path) -> None:
     """Six ready groups, a step of one, a judge of concurrency 2: a collect reviews the oldest

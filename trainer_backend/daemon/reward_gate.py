@@ -19,6 +19,7 @@ version to train on, which components to wait for, and the per-step hacking rate
   configuration's version. Per step: `rank_judge_groups` (ranked), `rank_judge_failed` (no
   ranking: the judge failed or its answers were never readable; with on_error "drop" those
   rollouts are skipped, counted as `rank_judge_failed`), `rank_judge_groups_of_one`,
+  `rank_judge_groups_told_apart` (not asked: `rank_judge.scope = "uniform"`),
   `rank_judge_unparseable` (answers that could not be read, retried or not), `reward_judge_s`
   (seconds spent scoring groups since the last step: the ready groups of a collect are ranked
   together, `rank_judge.concurrency` at a time, each within `rank_judge.deadline_s`).
@@ -52,6 +53,7 @@ from lightning_middleware.records import Event, LLMCall
 from lightning_middleware.rewards import Scorer
 from lightning_middleware.rewards.combine import ERRORS, PENDING
 from lightning_middleware.rewards.config import RANK_JUDGE
+from lightning_middleware.rewards.ranking import SINGLETON, TOLD_APART
 from lightning_middleware.rewards.trajectory import load_trajectories
 
 log = logging.getLogger(__name__)
@@ -291,7 +293,8 @@ class RewardGate:
             if ranking is not None:
                 with self._lock:
                     self._ranking.update(groups=bool(ranking.values), failed=ranking.error is not None,
-                                         groups_of_one=ranking.note is not None, unparseable=ranking.unparseable)
+                                         groups_of_one=ranking.note == SINGLETON,
+                                         groups_told_apart=ranking.note == TOLD_APART, unparseable=ranking.unparseable)
                 if ranking.error is not None:
                     self.reasons.update({r.id: "rank_judge_failed" for r in members})
         with self._lock:
@@ -345,7 +348,7 @@ class RewardGate:
                 self._judge_s = 0.0
             if self.ranks_groups:
                 out.update({f"rank_judge_{k}": float(self._ranking[k])
-                            for k in ("groups", "failed", "groups_of_one", "unparseable")})
+                            for k in ("groups", "failed", "groups_of_one", "groups_told_apart", "unparseable")})
                 self._ranking.clear()
                 if self.policy.rank_ahead:
                     out["reward_judge_ahead_s"] = self._ahead_s
