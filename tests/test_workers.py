@@ -29,7 +29,8 @@ def vllm_server():
 
 def _record(name):
     with OUT.open("a") as f:
-        f.write(json.dumps({"test": name, "worker": os.environ.get("PYTEST_XDIST_WORKER")}) + "\\n")
+        f.write(json.dumps({"test": name, "worker": os.environ.get("PYTEST_XDIST_WORKER"),
+                            "id": os.environ.get("PYTEST_CURRENT_TEST")}) + "\\n")
 
 
 def test_server_a(vllm_server):
@@ -61,6 +62,16 @@ def built():
 @pytest.mark.parametrize("i", range(3))
 def test_uses_it(built, i):
     _record(f"m{i}")
+
+
+@pytest.fixture(scope="module")
+def model_dir():  # tests/workers.py's PER_WORKER: built on each worker, its module not grouped
+    return "cheap"
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_uses_a_cheap_one(model_dir, i):
+    _record(f"c{i}")
 '''
 
 # What pytest 9.2 does to xdist's group suffix (the id is kept elsewhere), planted after xdist.
@@ -111,11 +122,15 @@ def test_tests_sharing_a_server_run_on_one_worker(tmp_path: Path) -> None:
     (tmp_path / "test_module_scoped.py").write_text(MODULE_SCOPED)
     run = _pytest(tmp_path, "-p", "tests.workers", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    ran = {r["test"]: r["worker"] for r in map(json.loads, (tmp_path / "ran.jsonl").read_text().splitlines())}
-    assert len(ran) == 15 and ran["a"] is not None
+    records = [json.loads(line) for line in (tmp_path / "ran.jsonl").read_text().splitlines()]
+    ran = {r["test"]: r["worker"] for r in records}
+    assert len(ran) == 21 and ran["a"] is not None
     assert ran["a"] == ran["b"], ran
     assert ran["m0"] == ran["m1"] == ran["m2"], ran
     assert len(set(ran.values())) == 2, ran  # both workers ran tests: the check above is not vacuous
+    # scheduled by group where grouped (xdist's `@group` in the id), and a PER_WORKER fixture groups nothing
+    grouped = {r["test"] for r in records if "@" in r["id"].split(" ")[0]}
+    assert grouped == {"a", "b", "m0", "m1", "m2"}, records
 
 
 def test_a_lost_grouping_stops_the_run_on_one_line(tmp_path: Path) -> None:

@@ -43,15 +43,22 @@ GROUPS: tuple[tuple[str, Callable[[pytest.Item], bool]], ...] = (
 )
 
 
+# Module-scoped fixtures cheap enough to build on every worker (a tiny model saved in well under a
+# second): they do not group their module. Grouped, the trainer modules that ask for them ran one
+# after another on one worker, the quick tier's last minute on one core (docs/benchmarks.md).
+PER_WORKER = frozenset({"model_dir", "ref_dir", "bytes_model"})
+
+
 def _module_scoped(item: pytest.Item) -> bool:
     info = getattr(item, "_fixtureinfo", None)
-    return info is not None and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
+    return info is not None and any(defs and defs[-1].scope == "module" and name not in PER_WORKER
+                                    for name, defs in info.name2fixturedefs.items())
 
 
 def group_of(item: pytest.Item) -> str | None:
     """The worker group a test runs in, if any: one of GROUPS, else its module's where it asks for a
     module-scoped fixture (one runs once per worker that runs the module's tests: a LoRA vLLM server,
-    a verl subprocess of ~15 s of CPU, a gateway)."""
+    a verl subprocess of ~15 s of CPU, a gateway), unless it is one of PER_WORKER."""
     for group, wants in GROUPS:
         if wants(item):
             return group
