@@ -22,7 +22,7 @@ from tests.trainer import test_daemon
 from tests.trainer.test_daemon import make_daemon
 from trainer_backend.daemon.reward_gate import RewardGate
 from trainer_backend.demo.agent import make_agent
-from trainer_backend.demo.judge import JudgeConfigError, judge_address, judge_agreement
+from trainer_backend.demo.judge import JudgeConfigError, judge_address, judge_agreement, judge_line
 from trainer_backend.demo.run import DemoConfig, DemoRun
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "rewards"
@@ -200,3 +200,19 @@ def test_the_judged_run_reports_the_judges_agreement_time_and_failures(store: Tr
     assert got["in_shown_order"] == 1.0
     assert (got["rank_judge_groups"], got["rank_judge_failed"], got["reward_judge_s"]) == (2.0, 2.0, 84.0)
     assert res["gain_pp"] == pytest.approx(25.0) and (run.out / "results.json").exists()
+
+
+def test_the_reports_judge_line_says_what_it_ranked_and_never_prints_nan() -> None:
+    totals = {"rank_judge_groups": 77.0, "rank_judge_failed": 8.0, "rank_judge_unparseable": 17.0,
+              "reward_judge_s": 60.0, "reward_judge_ahead_s": 132.0}
+    agreement = {"groups": 77, "pairs": 759, "agreement": 0.469, "in_shown_order": 0.104}
+    assert judge_line(totals, agreement) == (
+        "judge: 77 groups ranked (8 failed, 17 unreadable answers), 3.2 min of ranking (1.0 of them waited for "
+        "by the trainer); it put the solved attempt first in 46.9% of 759 (solved, unsolved) pairs (chance: 50%); "
+        "10% of its rankings were the order shown")
+    # scope "uniform": only tied groups are ranked, so no pair of a solved and an unsolved attempt
+    tied = judge_line({**totals, "rank_judge_groups": 8.0, "rank_judge_groups_told_apart": 79.0},
+                      {"groups": 8, "pairs": 0, "agreement": math.nan, "in_shown_order": 0.0})
+    assert "8 groups ranked (8 failed, 17 unreadable answers; 79 told apart by the rules, not asked)" in tied
+    assert tied.endswith("no ranked group had both a solved and an unsolved attempt to check it against")
+    assert "nan" not in tied

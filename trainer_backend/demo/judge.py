@@ -53,6 +53,22 @@ def judge_address(config: RewardConfig | None) -> tuple[str, int, str]:
     return parts.hostname, parts.port, str(model)
 
 
+def judge_line(totals: dict[str, float], agreement: dict[str, Any]) -> str:
+    """The report's line on the judge: what it ranked, the time it took, and whether it agreed with
+    success where a ranked group had both solved and unsolved attempts."""
+    line = (f"judge: {totals['rank_judge_groups']:.0f} groups ranked ({totals['rank_judge_failed']:.0f} failed, "
+            f"{totals['rank_judge_unparseable']:.0f} unreadable answers")
+    if totals.get("rank_judge_groups_told_apart"):
+        line += f"; {totals['rank_judge_groups_told_apart']:.0f} told apart by the rules, not asked"
+    line += (f"), {(totals['reward_judge_s'] + totals.get('reward_judge_ahead_s', 0.0)) / 60:.1f} min of ranking "
+             f"({totals['reward_judge_s'] / 60:.1f} of them waited for by the trainer); ")
+    if not agreement["pairs"]:
+        return line + "no ranked group had both a solved and an unsolved attempt to check it against"
+    return line + (f"it put the solved attempt first in {agreement['agreement']:.1%} of {agreement['pairs']} (solved, "
+                   f"unsolved) pairs (chance: 50%); {agreement['in_shown_order']:.0%} of its rankings were the order "
+                   "shown")
+
+
 def judge_agreement(store: TraceStore, rollout_ids: Sequence[str]) -> dict[str, Any]:
     """How the ranking judge's verdicts on these rollouts relate to the task's own outcome:
     `agreement`, over every (solved, unsolved) pair of one ranked group, the share the judge
@@ -108,13 +124,11 @@ class JudgedDemoRun(DemoRun):
         agreement = judge_agreement(self.store, [r.id for r in self.store.query_rollouts()])
         curve = self.results.get("curve", [])
         totals = {k: sum(float(c.get(k) or 0.0) for c in curve) for k in
-                  ("rank_judge_groups", "rank_judge_failed", "rank_judge_unparseable", "reward_judge_s")}
+                  ("rank_judge_groups", "rank_judge_failed", "rank_judge_unparseable", "rank_judge_groups_told_apart",
+                   "reward_judge_s", "reward_judge_ahead_s")}
         self.results["judge_summary"] = {**agreement, **totals}
         res = super().report()
-        say(f"judge: {totals['rank_judge_groups']:.0f} groups ranked ({totals['rank_judge_failed']:.0f} failed, "
-            f"{totals['rank_judge_unparseable']:.0f} unreadable answers) in {totals['reward_judge_s'] / 60:.1f} min; "
-            f"it put the solved attempt first in {agreement['agreement']:.1%} of {agreement['pairs']} (solved, "
-            f"unsolved) pairs (chance: 50%); {agreement['in_shown_order']:.0%} of its rankings were the order shown")
+        say(judge_line(totals, agreement))
         return res
 
     def close(self) -> None:
