@@ -147,6 +147,12 @@ class GroupRanking:
     unparseable: int = 0  # answers that could not be read (a retry may have read the next)
     asked: int = 0  # answers requested
 
+    def counts(self) -> dict[str, int]:
+        """What this verdict adds to the judge's tallies (the trainer's per-step metrics, a rescore's report)."""
+        return {"groups": int(bool(self.values)), "failed": int(self.error is not None),
+                "groups_of_one": int(self.note == SINGLETON), "groups_told_apart": int(self.note == TOLD_APART),
+                "unparseable": self.unparseable}
+
 
 def candidate_order(group: Sequence[Trajectory], shuffle: bool) -> list[Trajectory]:
     """The order the judge sees: drawn from the rollout ids (stable across re-scorings)."""

@@ -13,13 +13,13 @@ groups of a batch are ranked concurrently (`rank_judge.concurrency` at a time).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from lightning_middleware.records import Rollout, RolloutStatus
 from lightning_middleware.rewards.combine import REWARD_MODEL, Scorer
 from lightning_middleware.rewards.config import RewardConfig
-from lightning_middleware.rewards.ranking import SINGLETON, TOLD_APART
 from lightning_middleware.rewards.sources import Calibration, calibrate
 from lightning_middleware.rewards.trajectory import HUMAN, Trajectory, load_trajectories
 from lightning_middleware.store import TraceStore
@@ -71,18 +71,15 @@ def rescore(store: TraceStore, config: RewardConfig | Scorer, *, rollout_ids: Se
         rollouts = [r for r in found if r is not None]
     else:
         rollouts = store.query_rollouts(status=ENDED, task_id=task_id, mode=mode, since=since, limit=limit)
-    counts = dict.fromkeys(("n", "finals", "applied", "written", "ranked", "failed", "single", "bad", "apart"), 0)
+    counts = dict.fromkeys(("n", "finals", "applied", "written"), 0)
+    judge: Counter[str] = Counter()
     for group in _chunks(rollouts, batch, by_group=scorer.config.rank_judge is not None):
         trajectories = load_trajectories(store, group)
         groups = _groups(trajectories) if scorer.config.rank_judge is not None else [trajectories]
         # the chunk's groups ranked concurrently (rank_judge.concurrency), stored here one by one
         for members, (scored, ranking) in zip(groups, scorer.score_groups(groups, reuse_model=reuse_model)):
             if ranking is not None:
-                counts["ranked"] += bool(ranking.values)
-                counts["failed"] += ranking.error is not None
-                counts["single"] += ranking.note == SINGLETON
-                counts["apart"] += ranking.note == TOLD_APART
-                counts["bad"] += ranking.unparseable
+                judge.update(ranking.counts())
             for t, s in zip(members, scored):
                 result = scorer.store_scored(store, t, apply=apply, scored=s)
                 counts["n"] += 1
@@ -92,7 +89,8 @@ def rescore(store: TraceStore, config: RewardConfig | Scorer, *, rollout_ids: Se
                 if on_rollout is not None:
                     on_rollout(t.rollout.id, s.final)
     report = RescoreReport(scorer.hash, counts["n"], counts["finals"], counts["applied"], counts["written"],
-                           counts["ranked"], counts["failed"], counts["single"], counts["bad"], counts["apart"])
+                           judge["groups"], judge["failed"], judge["groups_of_one"], judge["unparseable"],
+                           judge["groups_told_apart"])
     log.info("%s", report.summary())
     return report
 

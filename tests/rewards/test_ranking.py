@@ -271,6 +271,9 @@ def test_scope_uniform_asks_the_judge_only_for_groups_the_rules_leave_tied(store
     finals = [store.get_rollout(rid).final_reward for rid in tied]
     assert finals == pytest.approx([-1.0 + 0.5 * v for v in (1.0, 0.5, 0.0)])  # the judge breaks the tie
     assert _config("u").hash == _config("u", scope="all").hash != _config("u", scope="uniform").hash
+    # the default is not hashed at all: a configuration written before the key existed keeps its hash
+    assert "scope" not in _config("u").describe()["rank_judge"] and "scope" in _config(
+        "u", scope="uniform").describe()["rank_judge"]
     with pytest.raises(ConfigError, match="rank_judge.scope must be one of 'all', 'uniform', got 'ties'"):
         _config("u", scope="ties")
 

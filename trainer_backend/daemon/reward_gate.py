@@ -53,7 +53,6 @@ from lightning_middleware.records import Event, LLMCall
 from lightning_middleware.rewards import Scorer
 from lightning_middleware.rewards.combine import ERRORS, PENDING
 from lightning_middleware.rewards.config import RANK_JUDGE
-from lightning_middleware.rewards.ranking import SINGLETON, TOLD_APART
 from lightning_middleware.rewards.trajectory import load_trajectories
 
 log = logging.getLogger(__name__)
@@ -292,9 +291,7 @@ class RewardGate:
                 self.scorer.store_scored(self.store, t, apply="unconsumed", scored=one)
             if ranking is not None:
                 with self._lock:
-                    self._ranking.update(groups=bool(ranking.values), failed=ranking.error is not None,
-                                         groups_of_one=ranking.note == SINGLETON,
-                                         groups_told_apart=ranking.note == TOLD_APART, unparseable=ranking.unparseable)
+                    self._ranking.update(ranking.counts())
                 if ranking.error is not None:
                     self.reasons.update({r.id: "rank_judge_failed" for r in members})
         with self._lock:
