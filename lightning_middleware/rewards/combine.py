@@ -170,6 +170,19 @@ class Scorer:
                      ) -> list[tuple[list[Scored], GroupRanking | None]]:
         """`score_group` for each group, the judge ranking them concurrently (`rank_judge.concurrency`
         at a time): a slow judge costs about one latency for a round of groups, not one per group."""
+        return [s for s in self._score_groups(groups, reuse_model, rank=True) if s is not None]
+
+    def score_told_apart(self, groups: Sequence[Sequence[Trajectory]], *, reuse_model: bool = False
+                         ) -> list[tuple[list[Scored], GroupRanking | None] | None]:
+        """`score_groups` without asking the judge: with `rank_judge.scope = "uniform"` the groups
+        the other components tell apart are scored (as `score_groups` would), and each group the
+        judge would rank is None, left for a later `score_groups` (the trainer's collect takes the
+        groups with signal now and leaves the tied ones to its rank-ahead thread). With scope
+        "all" every group needs the judge, so every group is None."""
+        return self._score_groups(groups, reuse_model, rank=False)
+
+    def _score_groups(self, groups: Sequence[Sequence[Trajectory]], reuse_model: bool, *, rank: bool
+                      ) -> list[tuple[list[Scored], GroupRanking | None] | None]:
         cfg = self.config.rank_judge
         # scope "uniform": every other component first (once), to see which groups they tell apart
         others = {id(t): self._others(t, reuse_model) for g in groups for t in g} \
@@ -177,10 +190,14 @@ class Scorer:
         told_apart = {id(g) for g in groups if others and self._tell_apart(g, others)}
         asked = [g for g in groups if cfg is not None and id(g) not in told_apart and not (
             reuse_model and all(_latest(t.rewards, RANK_JUDGE, self.hash) for t in g))]
-        rankings = dict(zip(map(id, asked), rank_groups(asked, cfg))) if cfg is not None else {}
+        rankings = dict(zip(map(id, asked), rank_groups(asked, cfg))) if cfg is not None and rank else {}
         rankings.update({i: GroupRanking(note=TOLD_APART) for i in told_apart})
-        out = []
+        deferred: set[int] = set() if rank else {id(g) for g in asked}
+        out: list[tuple[list[Scored], GroupRanking | None] | None] = []
         for g in groups:
+            if id(g) in deferred:
+                out.append(None)
+                continue
             ranking = rankings.get(id(g))
             out.append(([self.score(t, reuse_model=reuse_model,
                                     rank=None if ranking is None else self._group_rank(ranking, t.rollout.id),

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from lightning_middleware import RewardConfig, TraceStore, rollout
 from lightning_middleware.rewards import ConfigError, RankParseError, Scorer, parse_ranking, rescore
 from lightning_middleware.rewards.ranking import SINGLETON, TOLD_APART, letters, rank_values
+from lightning_middleware.rewards.trajectory import load_trajectories
 from tests.rewards.helpers import client_for, tool_agent
 from tests.rewards.ranking_judge import by_errors, candidates, ranking_judge
 
@@ -276,6 +277,24 @@ def test_scope_uniform_asks_the_judge_only_for_groups_the_rules_leave_tied(store
         "u", scope="uniform").describe()["rank_judge"]
     with pytest.raises(ConfigError, match="rank_judge.scope must be one of 'all', 'uniform', got 'ties'"):
         _config("u", scope="ties")
+
+
+def test_score_told_apart_scores_without_the_judge_and_leaves_the_tied_groups(store: TraceStore) -> None:
+    """What a trainer's collect scores while its rank-ahead thread ranks: the groups the rules tell
+    apart, as `score_groups` scores them; a tied group (or, at scope "all", every group) is None."""
+    with ranking_judge(["Ranking: A > B"]) as judge:
+        uniform = RewardConfig.from_dict({"rules": {"tool_error": -1.0}, "rank_judge": {
+            "url": judge.url, "model": "judge", "weight": 0.5, "shuffle": False, "scope": "uniform"}})
+        apart = load_trajectories(store, [store.get_rollout(i) for i in _rollouts(store, ["ok", "Error: x"], task="p")])
+        tied = load_trajectories(store, [store.get_rollout(i) for i in _rollouts(store, ["ok", "fine"], task="q")])
+        deferred = Scorer(uniform).score_told_apart([tied, apart])
+        assert deferred[0] is None and deferred[1] is not None and judge.seen == []
+        scored, ranking = deferred[1]
+        assert [s.final for s in scored] == [0.0, -1.0] and ranking is not None and ranking.note == TOLD_APART
+        assert [s.final for s in scored] == [s.final for s in Scorer(uniform).score_groups([apart])[0][0]]
+        every = RewardConfig.from_dict({"rules": {"tool_error": -1.0}, "rank_judge": {
+            "url": judge.url, "model": "judge", "weight": 0.5}})
+        assert Scorer(every).score_told_apart([tied, apart]) == [None, None] and judge.seen == []
 
 
 def test_a_large_group_is_cut_to_max_chars(store: TraceStore) -> None:

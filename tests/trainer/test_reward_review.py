@@ -207,6 +207,55 @@ def test_a_group_the_thread_is_ranking_waits_unclaimed_and_is_ranked_once(llm_se
     assert result.metrics["n_groups"] == 2 and result.metrics["reward_judge_s"] == 0.0
 
 
+def test_at_scope_uniform_a_tied_group_waits_for_the_thread_while_the_groups_told_apart_train(
+        llm_server, store: TraceStore, model_dir, tmp_path) -> None:
+    """A judge that ranks only tied groups, ranking ahead: the oldest group (c) is tied and under
+    ranking, and the collect does not wait for it: the two groups the rules tell apart train at
+    once; c trains at the next step, ranked once. (Before, the thread held every group it had
+    taken, tied or not, for the judge's whole latency, and the collect waited.)"""
+    latency = 3.0
+    run_rollouts(llm_server, store, {"c": [1, 1, 1, 1], "a": [1, 0, 1, 0], "b": [0, 0, 1, 1], "d": [1, 0, 0, 0]})
+    with ranking_judge(slow(_in_order, latency, [0])) as judge:
+        cfg = RewardConfig.from_dict({"rules": {"agent_reward": 1.0}, "rank_judge": {
+            "url": judge.url, "model": "j", "weight": 0.5, "concurrency": 2, "scope": "uniform"}})
+        daemon = make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg),
+                             group=GroupPolicy(group_size=4, groups_per_step=2, min_group_size=2))
+        wait_for("the thread to ask the judge about c", lambda: len(judge.seen) >= 1)
+        t0 = time.perf_counter()
+        batch = daemon.collect()
+        collect_s = time.perf_counter() - t0
+        assert batch is not None and {r.task_id for r in batch.rollouts} == {"a", "b"}
+        assert collect_s < latency / 2  # no judge latency on the step's path
+        first = daemon.train(batch)
+        [second] = daemon.run(max_steps=1, idle_timeout_s=60)
+    assert first is not None
+    assert _asked(judge) == ["c"]  # the tied group alone, once
+    assert sorted({r.task_id for r in store.query_rollouts(consumed=True)}) == ["a", "b", "c", "d"]
+    assert second.metrics["n_groups"] == 2 and second.metrics["n_rollouts"] == 8
+    assert first.metrics["reward_judge_s"] < latency and second.metrics["reward_judge_s"] < latency
+    ranked = [m.metrics[f"rank_judge_{k}"] for m in (first, second) for k in ("groups", "groups_told_apart")]
+    assert sum(ranked[0::2]) == 1 and sum(ranked[1::2]) == 3
+    assert len({r.final_reward for r in store.query_rollouts(task_id="c")}) == 4  # the judge broke the tie
+
+
+def test_a_deferred_tied_group_is_the_threads_next_even_behind_scored_groups(llm_server, store: TraceStore) -> None:
+    """A collect that defers ranking scores the group the rules tell apart and leaves the tied one
+    (no judge call); the thread's limit counts groups still to score, so the scored group ahead of
+    the tied one in the pool does not take the thread's only slot."""
+    run_rollouts(llm_server, store, {"a": [1, 0, 1, 0], "b": [1, 1, 1, 1]})
+    with ranking_judge(_in_order) as judge:
+        cfg = RewardConfig.from_dict({"rules": {"agent_reward": 1.0}, "rank_judge": {
+            "url": judge.url, "model": "j", "weight": 0.5, "scope": "uniform"}})
+        gate = RewardGate(store, RewardPolicy(config=cfg))
+        a, b = (store.query_rollouts(task_id=t) for t in "ab")
+        first = gate.review_groups([a, b], defer_ranking=True)
+        assert first[1] is None and judge.seen == []
+        assert first[0] is not None and sorted(r.final_reward for r in first[0]) == [0.0, 0.0, 1.0, 1.0]
+        assert gate.rank_ahead([a, b], limit=1) == 1 and _asked(judge) == ["b"]
+        [reviewed] = gate.review_groups([b], defer_ranking=True)
+    assert reviewed is not None and len({r.final_reward for r in reviewed}) == 4 and len(judge.seen) == 1
+
+
 def test_a_failed_ranking_is_not_asked_again(llm_server, store: TraceStore) -> None:
     """A judge never readable: the gate's ranking fails once (its retry included) and the group
     counts as ranked: the thread does not ask again each round, and the collect skips its rollouts."""

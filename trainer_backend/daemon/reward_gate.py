@@ -29,6 +29,10 @@ version to train on, which components to wait for, and the per-step hacking rate
   that meets a group whose ranking is under way leaves it in the pool for the next collect. Per
   step: `reward_judge_ahead_s` (seconds the thread spent ranking since the last step) and
   `rank_judge_ahead_groups` (groups it ranked); `reward_judge_s` is then what a collect waited.
+  With a judge that ranks only tied groups (`rank_judge.scope = "uniform"`) a collect asks the
+  judge nothing (`review_groups(defer_ranking=True)`): it scores the groups the other components
+  tell apart, and a tied group waits for the thread, which scores its told-apart groups before
+  ranking the tied ones, so neither thread holds a group with signal for the judge's latency.
 - Without `config`, a rollout whose ranking is pending under a configuration (a
   `reward_pending` reward: scored as it ended, e.g. by wrap() or the gateway) cannot be ranked
   here: its group is held (not skipped as `no_reward`, which would consume it), one warning and
@@ -50,7 +54,7 @@ from pathlib import Path
 
 from lightning_middleware import Reward, RewardConfig, Rollout, TraceStore
 from lightning_middleware.records import Event, LLMCall
-from lightning_middleware.rewards import Scorer
+from lightning_middleware.rewards import GroupRanking, Scored, Scorer
 from lightning_middleware.rewards.combine import ERRORS, PENDING
 from lightning_middleware.rewards.config import RANK_JUDGE
 from lightning_middleware.rewards.trajectory import load_trajectories
@@ -124,22 +128,37 @@ class RewardGate:
         """Whether this gate's configuration has a ranking judge (it scores whole groups)."""
         return self.scorer is not None and self.scorer.config.rank_judge is not None
 
-    def rank_ahead(self, groups: Sequence[Sequence[Rollout]]) -> int:
-        """Rank those of `groups` that lack the configuration's scoring and that no other thread is
-        ranking (RankAhead's thread calls this); the number ranked."""
+    @property
+    def ranks_ties_only(self) -> bool:
+        """Whether the ranking judge ranks only the groups the other components leave tied
+        (`rank_judge.scope = "uniform"`): the rest train without it."""
+        judge = self.scorer.config.rank_judge if self.scorer is not None else None
+        return judge is not None and judge.scope == "uniform"
+
+    def rank_ahead(self, groups: Sequence[Sequence[Rollout]], limit: int | None = None) -> int:
+        """Rank the first `limit` of `groups` that lack the configuration's scoring and that no
+        other thread is ranking (RankAhead's thread calls this); the number ranked. The limit
+        counts unscored groups: groups scored already (a collect's told-apart groups waiting for a
+        step) do not hide the tied ones behind them."""
         if self.scorer is None or not groups:
             return 0
         stored: dict[str, Sequence[Reward]] = dict(self.store.rewards_for([r.id for g in groups for r in g]))
-        return self._rank_unscored(groups, stored, ahead=True)[0]
+        unscored = [g for g in groups if self._unscored(g, stored)][:limit]
+        if not self.ranks_ties_only:
+            return self._rank_unscored(unscored, stored, ahead=True)[0]
+        # the groups the rules tell apart first, so none is held while the judge ranks the tied ones
+        told, waiting, _, stored = self._rank_unscored(unscored, stored, ahead=True, defer=True)
+        return told + self._rank_unscored(waiting, stored, ahead=True)[0]
 
     def _rank_unscored(self, groups: Sequence[Sequence[Rollout]], stored: dict[str, Sequence[Reward]], *,
-                       ahead: bool = False) -> tuple[int, list[Sequence[Rollout]], dict[str, Rollout],
-                                                     dict[str, Sequence[Reward]]]:
+                       ahead: bool = False, defer: bool = False
+                       ) -> tuple[int, list[Sequence[Rollout]], dict[str, Rollout], dict[str, Sequence[Reward]]]:
         """Rank the groups that lack the configuration's scoring and that no other thread is ranking:
-        (groups ranked, groups another thread is ranking, the ranked members as stored now, `stored`
-        updated). A group is claimed (its members in `_ranking_now`) before the judge is asked, and
-        its rewards are read again after the claim: a ranking another thread finished in between
-        has stored them, so no group is ranked twice."""
+        (groups scored, groups left waiting: another thread is ranking them or `defer` left them,
+        the scored members as stored now, `stored` updated). A group is claimed (its members in
+        `_ranking_now`) before the judge is asked, and its rewards are read again after the claim: a
+        ranking another thread finished in between has stored them, so no group is ranked twice.
+        `defer`: score only the groups that need no judge call (`Scorer.score_told_apart`)."""
         with self._lock:
             unscored = [g for g in groups if self._unscored(g, stored)]
             busy = [g for g in unscored if any(r.id in self._ranking_now for r in g)]
@@ -151,11 +170,12 @@ class RewardGate:
             if mine:
                 stored = {**stored, **self.store.rewards_for([r.id for g in mine for r in g])}
                 todo = [g for g in mine if self._unscored(g, stored)]
+            deferred: list[Sequence[Rollout]] = []
             if todo:
-                fresh, stored = self._rank(todo, stored, ahead=ahead)
+                fresh, stored, deferred = self._rank(todo, stored, ahead=ahead, defer=defer)
         finally:
             self._release(mine)
-        return len(todo), busy, fresh, stored
+        return len(todo) - len(deferred), [*busy, *deferred], fresh, stored
 
     def _release(self, groups: Sequence[Sequence[Rollout]]) -> None:
         with self._lock:
@@ -165,11 +185,14 @@ class RewardGate:
         """`review_groups` of one group."""
         return self.review_groups([members], now)[0]
 
-    def review_groups(self, groups: Sequence[Sequence[Rollout]], now: float | None = None
-                      ) -> list[list[Rollout] | None]:
+    def review_groups(self, groups: Sequence[Sequence[Rollout]], now: float | None = None, *,
+                      defer_ranking: bool = False) -> list[list[Rollout] | None]:
         """Each group as the trainer should see it (final rewards of the version; rollouts skipped
         at a deadline have none, their reason in `reasons`), or None while it waits. The groups
-        that need the configuration's scoring are scored together (the judge ranks them at once)."""
+        that need the configuration's scoring are scored together (the judge ranks them at once).
+        `defer_ranking` (a rank-ahead thread runs): a group the judge must rank waits for that
+        thread, so a collect asks the judge nothing and the groups that need no judge call (at
+        `rank_judge.scope = "uniform"`: the other components tell them apart) train at once."""
         now = time.time() if now is None else now
         self._held = {}  # a gauge: the rollouts held at this collect
         stored = self._read(groups)
@@ -180,7 +203,8 @@ class RewardGate:
         fresh: dict[str, Rollout] = {}
         busy: list[Sequence[Rollout]] = []
         if self.scorer is not None:
-            _, busy, fresh, stored = self._rank_unscored([g for g, lt in zip(groups, late) if lt is not None], stored)
+            _, busy, fresh, stored = self._rank_unscored([g for g, lt in zip(groups, late) if lt is not None], stored,
+                                                         defer=defer_ranking)
         out: list[list[Rollout] | None] = []
         for members, late_by_id in zip(groups, late):
             if late_by_id is None or any(members is g for g in busy):  # waits (for a ranking under way)
@@ -280,13 +304,21 @@ class RewardGate:
         return any(not any(scored(x) for x in stored.get(r.id, [])) for r in members)
 
     def _rank(self, groups: Sequence[Sequence[Rollout]], stored: Mapping[str, Sequence[Reward]], *,
-              ahead: bool = False) -> tuple[dict[str, Rollout], dict[str, Sequence[Reward]]]:
+              ahead: bool = False, defer: bool = False
+              ) -> tuple[dict[str, Rollout], dict[str, Sequence[Reward]], list[Sequence[Rollout]]]:
         """Score the groups under the configuration (a ranking judge ranks each once, the groups
-        concurrently); the members and their rewards as stored now. `ahead`: on RankAhead's thread."""
+        concurrently); the members and their rewards as stored now, and the groups `defer` left
+        unscored (those the judge must rank). `ahead`: on RankAhead's thread."""
         assert self.scorer is not None
         t0 = time.perf_counter()
         trajectories = [load_trajectories(self.store, g) for g in groups]
-        for members, group, (scored, ranking) in zip(groups, trajectories, self.scorer.score_groups(trajectories)):
+        results: Sequence[tuple[list[Scored], GroupRanking | None] | None] = (
+            self.scorer.score_told_apart(trajectories) if defer else self.scorer.score_groups(trajectories))
+        deferred = [g for g, res in zip(groups, results) if res is None]
+        for members, group, result in zip(groups, trajectories, results):
+            if result is None:
+                continue
+            scored, ranking = result
             for t, one in zip(group, scored):
                 self.scorer.store_scored(self.store, t, apply="unconsumed", scored=one)
             if ranking is not None:
@@ -297,12 +329,13 @@ class RewardGate:
         with self._lock:
             if ahead:
                 self._ahead_s += time.perf_counter() - t0
-                self._ahead_groups += len(groups)
+                self._ahead_groups += len(groups) - len(deferred)
             else:
                 self._judge_s += time.perf_counter() - t0
-        ids = [r.id for g in groups for r in g]
-        fresh = {r.id: self.store.get_rollout(r.id) or r for g in groups for r in g}
-        return fresh, {**stored, **self.store.rewards_for(ids)}
+        done = [g for g in groups if not any(g is d for d in deferred)]
+        ids = [r.id for g in done for r in g]
+        fresh = {r.id: self.store.get_rollout(r.id) or r for g in done for r in g}
+        return fresh, {**stored, **self.store.rewards_for(ids)}, deferred
 
     def _versioned(self, r: Rollout, rewards: Sequence[Reward]) -> Rollout:
         if self.policy.version is None:
@@ -372,7 +405,7 @@ class RankAhead:
         ranked = 0
         while not self._stop.wait(0 if ranked else self.interval_s):
             try:
-                ranked = self.gate.rank_ahead(self.ready()[: self.groups])
+                ranked = self.gate.rank_ahead(self.ready(), self.groups)
             except Exception:  # the store or the judge failed: the collect ranks what is left itself
                 log.exception("ranking ahead failed; retrying in %.1f s", self.interval_s)
                 ranked = 0

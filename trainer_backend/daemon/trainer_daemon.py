@@ -209,11 +209,16 @@ class TrainerDaemon:
         if chunk is None:
             yield from self.rewards.review_groups(groups)
             return
+        # A judge that ranks only tied groups, with a rank-ahead thread: a tied group waits for that
+        # thread, so the collect asks the judge nothing and trains the groups the rules tell apart.
+        # (At scope "all" every group needs the judge, and a collect ranking the groups the thread
+        # has not reached adds to its concurrency.)
+        defer = self._rank_ahead is not None and self.rewards.ranks_ties_only
         size = max(chunk, self.config.group.groups_per_step)
         for start in range(0, len(groups), size):
             if len(trainable) >= self.config.group.groups_per_step:
                 return
-            yield from self.rewards.review_groups(groups[start:start + size])
+            yield from self.rewards.review_groups(groups[start:start + size], defer_ranking=defer)
 
     def _ready_groups(self) -> list[list[Rollout]]:
         """Finished, unconsumed train rollouts grouped by task: full groups, or timed-out ones."""
