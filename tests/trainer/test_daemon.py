@@ -83,6 +83,7 @@ def make_daemon(store: TraceStore, model_dir: Path, tmp_path: Path, **kw) -> Tra
     group = kw.pop("group", GroupPolicy(group_size=4, groups_per_step=2, min_group_size=2))
     trainer_id = kw.pop("trainer_id", "trainer-0")
     start, version = TrainerDaemon.resume_point(store, model_dir, trainer_id)
+    version = kw.pop("policy_version", version)  # as if that many steps had been trained
     engine = TorchEngine(start, TorchEngineConfig(lr=1e-3, precision="fp32"), policy_version=version)
     config = TrainerConfig(checkpoint_dir=str(tmp_path / f"ckpt-{trainer_id}"), trainer_id=trainer_id,
                            group=group, poll_interval_s=0.05, **kw)

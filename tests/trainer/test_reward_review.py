@@ -238,6 +238,24 @@ def test_at_scope_uniform_a_tied_group_waits_for_the_thread_while_the_groups_tol
     assert len({r.final_reward for r in store.query_rollouts(task_id="c")}) == 4  # the judge broke the tie
 
 
+def test_a_group_too_stale_to_train_is_skipped_before_any_judge_sees_it(llm_server, store: TraceStore, model_dir,
+                                                                        tmp_path) -> None:
+    """The oldest group (o) lags five versions, past max_staleness: neither the rank-ahead thread nor
+    a collect ranks it (before, the judge ranked it and the collect then skipped it as stale)."""
+    run_rollouts(llm_server, store, {"o": [1, 1, 1, 1]}, policy_version=0)
+    run_rollouts(llm_server, store, {"a": [1, 0, 1, 0], "b": [0, 0, 1, 1], "c": [0, 0, 0, 0]}, policy_version=5)
+    with ranking_judge(_in_order) as judge:
+        cfg = RewardConfig.from_dict({"rules": {"agent_reward": 1.0}, "rank_judge": {
+            "url": judge.url, "model": "j", "weight": 0.5, "concurrency": 2, "scope": "uniform"}})
+        daemon = make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg), mode="async",
+                             max_staleness=2, policy_version=5,
+                             group=GroupPolicy(group_size=4, groups_per_step=3, min_group_size=2))
+        [result] = daemon.run(max_steps=1, idle_timeout_s=60)
+    assert _asked(judge) == ["c"]  # the fresh tied group only
+    assert result.metrics["skipped_stale"] == 4 and result.metrics["n_groups"] == 3
+    assert {r.task_id for r in store.query_rollouts(consumed=True) if r.consumed_step == -1} == {"o"}
+
+
 def test_a_deferred_tied_group_is_the_threads_next_even_behind_scored_groups(llm_server, store: TraceStore) -> None:
     """A collect that defers ranking scores the group the rules tell apart and leaves the tied one
     (no judge call); the thread's limit counts groups still to score, so the scored group ahead of

@@ -90,7 +90,7 @@ class TrainerDaemon:
             log.warning("released %d rollouts claimed by an earlier run of %s that did not commit",
                         released, config.trainer_id)
         # A ranking judge ranks the next two steps' groups while this one trains (reward_gate.py).
-        self._rank_ahead = (RankAhead(self.rewards, self._ready_groups, 2 * config.group.groups_per_step,
+        self._rank_ahead = (RankAhead(self.rewards, self._rankable_groups, 2 * config.group.groups_per_step,
                                       config.poll_interval_s, name=f"rank-ahead-{config.trainer_id}")
                             if self.rewards.ranks_groups and config.rewards.rank_ahead else None)
 
@@ -164,7 +164,7 @@ class TrainerDaemon:
         """Claim the next batch, or None if not enough usable groups are ready yet."""
         g = self.config.group
         trainable: list[tuple[list[Rollout], list[Rollout]]] = []  # (group members, usable members)
-        groups = self._ready_groups()
+        groups = self._drop_stale(self._ready_groups())
         # separate policies: the roles' own rewards are signal too (one query for every ready group)
         ids = [r.id for m in groups for r in m]
         per_agent = self.store.agent_rewards(ids) if g.skip_uniform and isinstance(self.engine, RoutesRows) else {}
@@ -235,6 +235,23 @@ class TrainerDaemon:
             if len(members) >= g.group_size or now - oldest > g.group_timeout_s:
                 ready.append(members[: g.group_size])
         return ready
+
+    def _drop_stale(self, groups: list[list[Rollout]]) -> list[list[Rollout]]:
+        """The groups with a member fresh enough to train; those without one leave the pool now,
+        skipped as stale before anything scores them (a judge would rank them for nothing)."""
+        current = self.engine.policy_version
+        fresh = []
+        for members in groups:
+            if not all(self._too_stale(r, current) for r in members):
+                fresh.append(members)
+            elif self._take(members):
+                self._skip(members, Counter(stale=len(members)))
+        return fresh
+
+    def _rankable_groups(self) -> list[list[Rollout]]:
+        """The ready groups a ranking judge may rank ahead: those with a member fresh enough to train."""
+        current = self.engine.policy_version
+        return [m for m in self._ready_groups() if not all(self._too_stale(r, current) for r in m)]
 
     def _take(self, members: Sequence[Rollout]) -> bool:
         """Claim a whole group or nothing (another daemon got part of it)."""
