@@ -314,10 +314,13 @@ class RewardGate:
         trajectories = [load_trajectories(self.store, g) for g in groups]
         results: Sequence[tuple[list[Scored], GroupRanking | None] | None] = (
             self.scorer.score_told_apart(trajectories) if defer else self.scorer.score_groups(trajectories))
-        deferred = [g for g, res in zip(groups, results) if res is None]
+        done: list[Sequence[Rollout]] = []
+        deferred: list[Sequence[Rollout]] = []
         for members, group, result in zip(groups, trajectories, results):
             if result is None:
+                deferred.append(members)
                 continue
+            done.append(members)
             scored, ranking = result
             for t, one in zip(group, scored):
                 self.scorer.store_scored(self.store, t, apply="unconsumed", scored=one)
@@ -332,7 +335,6 @@ class RewardGate:
                 self._ahead_groups += len(groups) - len(deferred)
             else:
                 self._judge_s += time.perf_counter() - t0
-        done = [g for g in groups if not any(g is d for d in deferred)]
         ids = [r.id for g in done for r in g]
         fresh = {r.id: self.store.get_rollout(r.id) or r for g in done for r in g}
         return fresh, {**stored, **self.store.rewards_for(ids)}, deferred

@@ -239,10 +239,9 @@ class TrainerDaemon:
     def _drop_stale(self, groups: list[list[Rollout]]) -> list[list[Rollout]]:
         """The groups with a member fresh enough to train; those without one leave the pool now,
         skipped as stale before anything scores them (a judge would rank them for nothing)."""
-        current = self.engine.policy_version
         fresh = []
         for members in groups:
-            if not all(self._too_stale(r, current) for r in members):
+            if not self._all_stale(members):
                 fresh.append(members)
             elif self._take(members):
                 self._skip(members, Counter(stale=len(members)))
@@ -250,8 +249,11 @@ class TrainerDaemon:
 
     def _rankable_groups(self) -> list[list[Rollout]]:
         """The ready groups a ranking judge may rank ahead: those with a member fresh enough to train."""
+        return [m for m in self._ready_groups() if not self._all_stale(m)]
+
+    def _all_stale(self, members: Sequence[Rollout]) -> bool:
         current = self.engine.policy_version
-        return [m for m in self._ready_groups() if not all(self._too_stale(r, current) for r in m)]
+        return all(self._too_stale(r, current) for r in members)
 
     def _take(self, members: Sequence[Rollout]) -> bool:
         """Claim a whole group or nothing (another daemon got part of it)."""
