@@ -256,22 +256,25 @@ def test_a_group_too_stale_to_train_is_skipped_before_any_judge_sees_it(llm_serv
     assert {r.task_id for r in store.query_rollouts(consumed=True) if r.consumed_step == -1} == {"o"}
 
 
-def test_a_deferred_tied_group_is_the_threads_next_even_behind_scored_groups(llm_server, store: TraceStore) -> None:
-    """A collect that defers ranking scores the group the rules tell apart and leaves the tied one
-    (no judge call); the thread's limit counts groups still to score, so the scored group ahead of
-    the tied one in the pool does not take the thread's only slot."""
-    run_rollouts(llm_server, store, {"a": [1, 0, 1, 0], "b": [1, 1, 1, 1]})
+def test_at_scope_uniform_the_thread_ranks_tied_groups_on_demand_newest_first(llm_server, store: TraceStore) -> None:
+    """A tied group trains only once ranked and only while fresh. The thread scores every group the
+    rules tell apart (no judge call), asks the judge only while fewer than `limit` groups with signal
+    wait, and then ranks the newest tied groups first: the oldest (x) is the one nearest to going
+    stale. (Before, it ranked the oldest first, and beyond what the trainer took.)"""
+    run_rollouts(llm_server, store, {"a": [1, 0, 1, 0], "x": [1, 1, 1, 1], "y": [0, 0, 0, 0], "z": [1, 1, 1, 1]})
     with ranking_judge(_in_order) as judge:
         cfg = RewardConfig.from_dict({"rules": {"agent_reward": 1.0}, "rank_judge": {
-            "url": judge.url, "model": "j", "weight": 0.5, "scope": "uniform"}})
+            "url": judge.url, "model": "j", "weight": 0.5, "scope": "uniform", "concurrency": 2}})
         gate = RewardGate(store, RewardPolicy(config=cfg))
-        a, b = (store.query_rollouts(task_id=t) for t in "ab")
-        first = gate.review_groups([a, b], defer_ranking=True)
-        assert first[1] is None and judge.seen == []
-        assert first[0] is not None and sorted(r.final_reward for r in first[0]) == [0.0, 0.0, 1.0, 1.0]
-        assert gate.rank_ahead([a, b], limit=1) == 1 and _asked(judge) == ["b"]
-        [reviewed] = gate.review_groups([b], defer_ranking=True)
-    assert reviewed is not None and len({r.final_reward for r in reviewed}) == 4 and len(judge.seen) == 1
+        pool = [store.query_rollouts(task_id=t) for t in "axyz"]  # oldest first, as the daemon's pool
+        assert gate.rank_ahead(pool, limit=1) == 1 and judge.seen == []  # a: enough signal for a step
+        [a] = gate.review_groups(pool[:1], defer_ranking=True)
+        assert a is not None and sorted(r.final_reward for r in a) == [0.0, 0.0, 1.0, 1.0]
+        assert gate.rank_ahead(pool, limit=3) == 2 and _asked(judge) == ["y", "z"]  # two short: the newest two
+        assert gate.rank_ahead(pool, limit=3) == 0 and len(judge.seen) == 2  # three groups with signal wait
+        assert gate.rank_ahead(pool) == 1 and _asked(judge) == ["x", "y", "z"]  # no limit: every tied group
+        reviewed = gate.review_groups(pool, defer_ranking=True)
+    assert all(g is not None and len({r.final_reward for r in g}) > 1 for g in reviewed)
 
 
 def test_a_failed_ranking_is_not_asked_again(llm_server, store: TraceStore) -> None:

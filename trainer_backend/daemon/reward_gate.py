@@ -32,7 +32,9 @@ version to train on, which components to wait for, and the per-step hacking rate
   With a judge that ranks only tied groups (`rank_judge.scope = "uniform"`) a collect asks the
   judge nothing (`review_groups(defer_ranking=True)`): it scores the groups the other components
   tell apart, and a tied group waits for the thread, which scores its told-apart groups before
-  ranking the tied ones, so neither thread holds a group with signal for the judge's latency.
+  ranking the tied ones, so neither thread holds a group with signal for the judge's latency. The
+  thread ranks tied groups on demand, newest first, while fewer than two steps' groups with signal
+  wait: a tied group left unranked goes stale, as it would without the judge.
 - Without `config`, a rollout whose ranking is pending under a configuration (a
   `reward_pending` reward: scored as it ended, e.g. by wrap() or the gateway) cannot be ranked
   here: its group is held (not skipped as `no_reward`, which would consume it), one warning and
@@ -136,19 +138,38 @@ class RewardGate:
         return judge is not None and judge.scope == "uniform"
 
     def rank_ahead(self, groups: Sequence[Sequence[Rollout]], limit: int | None = None) -> int:
-        """Rank the first `limit` of `groups` that lack the configuration's scoring and that no
-        other thread is ranking (RankAhead's thread calls this); the number ranked. The limit
-        counts unscored groups: groups scored already (a collect's told-apart groups waiting for a
-        step) do not hide the tied ones behind them."""
+        """Score `groups` (oldest first) that lack the configuration's scoring and that no other
+        thread is ranking (RankAhead's thread calls this); the number scored.
+
+        Every group the judge must rank (scope "all"): the first `limit` of the unscored ones.
+        Ties only (scope "uniform"): every group the other components tell apart first (no judge
+        call, so none is held while the judge ranks), then the judge ranks tied groups on demand,
+        newest first, while fewer than `limit` groups with signal wait in `groups`. A tied group
+        trains only once ranked and only while fresh: ranked oldest first and beyond what the
+        trainer takes, most of the judge's work went to groups that went stale before a step took
+        them (docs/benchmarks.md)."""
         if self.scorer is None or not groups:
             return 0
         stored: dict[str, Sequence[Reward]] = dict(self.store.rewards_for([r.id for g in groups for r in g]))
-        unscored = [g for g in groups if self._unscored(g, stored)][:limit]
+        unscored = [g for g in groups if self._unscored(g, stored)]
         if not self.ranks_ties_only:
-            return self._rank_unscored(unscored, stored, ahead=True)[0]
-        # the groups the rules tell apart first, so none is held while the judge ranks the tied ones
-        told, waiting, _, stored = self._rank_unscored(unscored, stored, ahead=True, defer=True)
-        return told + self._rank_unscored(waiting, stored, ahead=True)[0]
+            return self._rank_unscored(unscored[:limit], stored, ahead=True)[0]
+        told, tied, _, stored = self._rank_unscored(unscored, stored, ahead=True, defer=True)
+        wanted = len(tied) if limit is None else limit - sum(self._told_apart(g, stored) for g in groups)
+        if wanted <= 0 or not tied:
+            return told
+        return told + self._rank_unscored(tied[::-1][:wanted], stored, ahead=True)[0]
+
+    def _told_apart(self, members: Sequence[Rollout], stored: Mapping[str, Sequence[Reward]]) -> bool:
+        """Every member has the configuration's final reward, and they differ: the group trains."""
+        assert self.scorer is not None
+        values = set()
+        for r in members:
+            finals = [x.value for x in stored.get(r.id, []) if x.name == FINAL and x.config_hash == self.scorer.hash]
+            if not finals:
+                return False
+            values.add(finals[-1])
+        return len(values) > 1
 
     def _rank_unscored(self, groups: Sequence[Sequence[Rollout]], stored: dict[str, Sequence[Reward]], *,
                        ahead: bool = False, defer: bool = False
@@ -392,9 +413,9 @@ class RewardGate:
 
 
 class RankAhead:
-    """A thread that keeps the oldest ready groups ranked while the trainer trains: every
-    `interval_s` (at once after a round that ranked something) it asks `ready()` for the ready
-    groups, oldest first, and has the gate rank the first `groups` of them that lack a ranking."""
+    """A thread that keeps the ready groups ranked while the trainer trains: every `interval_s` (at
+    once after a round that ranked something) it asks `ready()` for the ready groups, oldest first,
+    and has the gate rank ahead (`RewardGate.rank_ahead`) with `groups` as its limit."""
 
     def __init__(self, gate: RewardGate, ready: Callable[[], list[list[Rollout]]], groups: int,
                  interval_s: float, name: str = "rank-ahead") -> None:
