@@ -231,6 +231,38 @@ def bfcl_score(t: Trajectory) -> Score | None:
     return check(task, calls)
 
 
+# How far through BFCL's checker an answer got before its first error (the checker tests, in this
+# order: the number of calls and the function's name, the parameter names, then each value; an
+# optional parameter the answer key requires is reported last, once every value given passed).
+STAGES: dict[str, int] = {"wrong_count": 1, "wrong_func_name": 1, "cannot_find_match": 1,
+                          "missing_required": 2, "unexpected_param": 2}
+PARTIAL_CREDIT = 0.5  # the most an invalid answer earns: a valid one always earns twice as much
+
+
+def checker_stage(error_type: str | None) -> int:
+    """0 (no call, arguments that do not parse, anything the checker could not classify) to 4
+    (valid): 1 a call to the wrong function or the wrong number of calls, 2 the right function with
+    the wrong parameter names, 3 the right parameters with a wrong value or type."""
+    if error_type is None:
+        return 4
+    kind = error_type.rsplit(":", 1)[-1]
+    if error_type.startswith(("type_error:", "value_error:")) or kind == "missing_optional":
+        return 3
+    return STAGES.get(kind, 0)
+
+
+def bfcl_stages(t: Trajectory) -> Score | None:
+    """Reward rule: `bfcl_score` with partial credit for how far the answer got through BFCL's own
+    checker (`checker_stage`): 0, 1/6, 1/3, 1/2 for an invalid answer, 1 for a valid one. BFCL's
+    verdict still decides `valid`; the partial credit gives a group of invalid answers a direction
+    (a call over none, the right function over a wrong one) where the binary verdict leaves it tied."""
+    score = bfcl_score(t)
+    if score is None or score.detail.get("valid"):
+        return score
+    stage = checker_stage(str(score.detail.get("error_type") or "unclear"))
+    return Score(PARTIAL_CREDIT * stage / 3, {**score.detail, "stage": stage})
+
+
 def make_agent(base_url: str, *, model: str, store: Any = None, temperature: float = 0.0,
                max_tokens: int = 256, api_key: str = "-", system: str | None = None) -> Any:
     """An async agent for the controller: LangChain's ChatOpenAI, wrapped, with the task's BFCL

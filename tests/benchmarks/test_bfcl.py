@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ from lightning_middleware.controller import RolloutController
 from lightning_middleware.controller.tasks import load_tasks
 from lightning_middleware.testing import LLMTestServer
 
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = {"rules": {"bfcl": {"function": "lightning_middleware.benchmarks.bfcl:bfcl_score", "weight": 1.0}},
           "agent_reward": False}
 
@@ -83,6 +85,34 @@ def test_right_answers_score_one_and_changed_ones_zero(category: str) -> None:
     assert checked == 40
 
 
+@pytest.mark.parametrize("category", ["simple_python", "multiple"])
+def test_the_checker_stage_follows_bfcls_own_order_of_checks(category: str) -> None:
+    """`bfcl_stages`' partial credit is the stage BFCL's checker reached: a wrong function 1, a
+    parameter dropped or made up 2, a wrong value 3, valid 4; an answer the checker never reached 0."""
+    seen: set[int] = set()
+    for _, task in load_tasks(f"bfcl:{category}?limit=30"):
+        (name, args), *rest = bfcl.reference_calls(task)
+
+        def stage(calls: list[tuple[str, dict | None]], task: dict = task) -> int:
+            return bfcl.checker_stage(bfcl.check(task, calls).detail["error_type"])
+
+        assert stage([(name, args), *rest]) == 4 and stage([]) == 0 and stage([(name, None)]) == 0
+        assert stage([(name + "_x", args), *rest]) == 1
+        assert stage([(name, {**args, "no_such_param": 1}), *rest]) == 2
+        required = [k for k in _required(task, name) if k in args]
+        if required:
+            assert stage([(name, {k: v for k, v in args.items() if k != required[0]}), *rest]) == 2
+            assert stage([(name, {**args, required[0]: "no such value 7d1"}), *rest]) == 3
+        seen.update({1, 2, 3} if required else {1, 2})
+    assert seen == {1, 2, 3}
+    assert bfcl.checker_stage("simple_function_checker:unclear") == 0 == bfcl.checker_stage("checker_error")
+
+
+def _required(task: dict, name: str) -> list[str]:
+    [tool] = [t for t in task["tools"] if t["function"]["name"] == name]
+    return list(tool["function"]["parameters"].get("required", []))
+
+
 def test_no_call_malformed_arguments_and_checker_failures_score_zero_and_are_counted() -> None:
     (_, task), *_ = load_tasks("bfcl:simple_python?limit=1")
     assert bfcl.check(task, []).detail["error_type"] == "no_call"
@@ -122,6 +152,23 @@ def test_a_langchain_agent_is_scored_by_bfcls_checker(llm_server: LLMTestServer,
         assert component.metadata["detail"]["error_type"].startswith("simple_function_checker")
         [call] = store.calls(r.rollout_id)
         assert call.completion_token_ids and call.response["choices"][0]["message"]["tool_calls"]
+
+
+def test_the_stages_configuration_pays_partial_credit_and_keeps_bfcls_verdict(llm_server: LLMTestServer,
+                                                                              store: TraceStore) -> None:
+    """examples/rewards/bfcl-stages.toml on the same agent: the right function with parameters BFCL
+    refuses earns 1/3 (stage 2), and the verdict stays invalid."""
+    agent = bfcl.make_agent(llm_server.base_url, model="m", store=store)
+    rewards = RewardConfig.load(ROOT / "examples" / "rewards" / "bfcl-stages.toml")
+    with RolloutController(agent, store=store, concurrency=2, rewards=rewards) as c:
+        results = c.run("bfcl:simple_python?split=test&limit=3")
+    assert [r.status for r in results] == ["succeeded"] * 3, [r.error for r in results]
+    assert [r.reward for r in results] == pytest.approx([1 / 3] * 3)
+    for r in results:
+        [component] = [w for w in store.rewards(r.rollout_id) if w.name == "bfcl"]
+        detail = component.metadata["detail"]
+        assert detail["valid"] is False and detail["stage"] == 2
+        assert detail["error_type"].rsplit(":", 1)[-1] in ("missing_required", "unexpected_param")
 
 
 def test_the_bfcl_agent_runs_in_the_sandbox_scored_by_the_gateway(llm_server: LLMTestServer, tmp_path) -> None:

@@ -79,6 +79,48 @@ def test_the_demos_training_rollouts_sample(llm_server: LLMTestServer, tmp_path:
         store.close()
 
 
+def test_a_rewards_file_replaces_the_binary_verdict_and_must_keep_a_bfcl_rule(tmp_path: Path, capsys) -> None:
+    """`--rewards examples/rewards/bfcl-stages.toml` trains on the partial credit; a configuration
+    without a `bfcl` rule (the evaluations read its verdict) is refused in one line, before anything starts."""
+    from lightning_middleware.cli import build_parser
+    from trainer_backend.demo.cli import config_from, run_cli
+    from trainer_backend.demo.smol_bfcl import BfclDemoRun
+
+    def run(rewards: Path) -> BfclDemoRun:
+        args = ["demo", "--task", "bfcl", "--rewards", str(rewards), "--out", str(tmp_path / "out")]
+        return BfclDemoRun(config_from(build_parser().parse_args(args)))
+
+    stages = Path(__file__).resolve().parents[2] / "examples" / "rewards" / "bfcl-stages.toml"
+    config = run(stages).reward_config
+    assert config is not None and config.hash == RewardConfig.load(stages).hash
+    assert config.hash != RewardConfig.from_dict(RULES).hash
+    other = tmp_path / "other.toml"
+    other.write_text('[rules]\ntask_complete = 1.0\n')
+    with pytest.raises(ValueError, match=r"needs a `bfcl` rule .*; it has task_complete$"):
+        run(other)
+    capsys.readouterr()
+    assert run_cli(build_parser().parse_args(["demo", "--task", "bfcl", "--rewards", str(other)])) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs a `bfcl` rule" in err  # one line, before the warm start
+
+
+def test_success_is_bfcls_verdict_not_the_reward(llm_server: LLMTestServer, tmp_path: Path) -> None:
+    """Under partial credit an invalid answer earns a reward (here, weighted, as much as a valid one
+    under the binary rule); only BFCL's verdict counts an answer as solved."""
+    store = TraceStore(f"sqlite:///{tmp_path / 'store.db'}")
+    paid = RewardConfig.from_dict({"rules": {"bfcl": {"function": "lightning_middleware.benchmarks.bfcl:bfcl_stages",
+                                                      "weight": 3.0}}, "agent_reward": False})
+    agent = bfcl.make_agent(llm_server.base_url, model="m", store=store)
+    try:
+        with RolloutController(agent, store=store, rewards=paid) as c:
+            results = c.run("bfcl:simple_python?split=test&limit=2", mode="val")
+        assert [r.reward for r in results] == pytest.approx([1.0, 1.0])  # 3 x 1/3: stage 2, refused
+        res = outcomes(store, results)
+        assert res["success"] == 0.0 and res["valid_tool_call"] == 1.0
+    finally:
+        store.close()
+
+
 def test_outcomes_count_answers_without_a_call(tmp_path: Path) -> None:
     """An answer with no call is scored 0 by the rule and counted as `no_call`, not as a failure."""
     store = TraceStore(f"sqlite:///{tmp_path / 'store.db'}")

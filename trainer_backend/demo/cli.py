@@ -130,9 +130,10 @@ def add_cli(sub: Any) -> None:
                    help="the RL rollouts' sampling temperature (default %(default)g; the evaluations run at 1 "
                         "and greedy): below 1, training samples nearer what a greedy agent does")
     p.add_argument("--rewards", default=None, metavar="FILE",
-                   help="guess task: score every rollout under this reward configuration (TOML/JSON, "
-                        "docs/rewards.md; examples/rewards/) and train on its final reward; the evaluation "
-                        "stays the task's own success")
+                   help="guess and bfcl tasks: score every rollout under this reward configuration "
+                        "(TOML/JSON, docs/rewards.md; examples/rewards/) and train on its final reward; the "
+                        "evaluation stays the task's own success (bfcl: the configuration keeps a `bfcl` rule, "
+                        "as examples/rewards/bfcl-stages.toml)")
     p.add_argument("--judge", choices=("smollm2",), default=None,
                    help="serve the --rewards configuration's judge ([rank_judge] or [reward_model] url on this "
                         "machine) with SmolLM2-135M-Instruct on a second vLLM CPU server (demo/judge.py)")
@@ -197,9 +198,12 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.shared_policy and args.task != "team":
         print("lightning-mw demo: --shared-policy is for --task team", file=sys.stderr)
         return 2
-    if args.rewards and args.task != "guess":
-        print("lightning-mw demo: --rewards is for --task guess (the team and arith tasks evaluate by their "
-              "own rewards)", file=sys.stderr)
+    if args.rewards and args.task not in ("guess", "bfcl"):
+        print("lightning-mw demo: --rewards is for --task guess and bfcl (the team, arith and rg tasks evaluate "
+              "by their own rewards)", file=sys.stderr)
+        return 2
+    if args.rewards and args.task == "bfcl" and (problem := _bfcl_rewards_problem(args.rewards)):
+        print(f"lightning-mw demo: {problem}", file=sys.stderr)
         return 2
     if args.judge and (problem := _judge_problem(args)):
         print(f"lightning-mw demo: {problem}", file=sys.stderr)
@@ -256,6 +260,21 @@ def run_cli(args: argparse.Namespace) -> int:
         print("\nstopped (server, trainer and rollouts shut down)", flush=True)
         return 130
     return 0
+
+
+def _bfcl_rewards_problem(path: str) -> str | None:
+    """Why `path` cannot train a BFCL run (checked before the warm start), or None."""
+    from lightning_middleware.rewards import ConfigError, load_config
+
+    try:
+        config = load_config(path)
+    except ConfigError as e:
+        return str(e)
+    if "bfcl" not in config.weights:  # the evaluations read the `bfcl` rule's verdict
+        return (f"--rewards {path}: a BFCL run's configuration needs a `bfcl` rule "
+                "(lightning_middleware.benchmarks.bfcl:bfcl_score or :bfcl_stages); it has "
+                + ", ".join(config.weights))
+    return None
 
 
 def _judge_problem(args: argparse.Namespace) -> str | None:

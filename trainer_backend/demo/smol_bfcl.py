@@ -66,8 +66,9 @@ def warm_start_name() -> str:
 
 
 def outcomes(store: TraceStore, results: list[RolloutResult]) -> dict[str, Any]:
-    """BFCL accuracy of finished rollouts, the share with a call at all and with calls BFCL could
-    check, and the checker's error types (from the `bfcl` reward each rollout was given)."""
+    """BFCL accuracy of finished rollouts (its checker's verdict), the share with a call at all and
+    with calls BFCL could check, and the checker's error types (from the `bfcl` reward each rollout
+    was given)."""
     kinds: collections.Counter[str] = collections.Counter()
     for r in results:
         detail: dict[str, Any] = next((w.metadata.get("detail", {}) for w in store.rewards(r.rollout_id)
@@ -76,7 +77,8 @@ def outcomes(store: TraceStore, results: list[RolloutResult]) -> dict[str, Any]:
     n = max(1, len(results))
     called = len(results) - kinds["no_call"] - sum(v for k, v in kinds.items() if k in ("failed", "timeout"))
     checkable = called - kinds["malformed_arguments"]
-    return {"success": sum(1 for r in results if (r.reward or 0.0) >= 1.0) / n, "n": len(results),
+    # BFCL's verdict, not the reward: a configuration with partial credit pays invalid answers too
+    return {"success": kinds["valid"] / n, "n": len(results),
             "a_call": called / n, "valid_tool_call": checkable / n,
             "errors": sum(1 for r in results if r.status != "succeeded"), "error_types": dict(kinds.most_common())}
 
@@ -92,9 +94,16 @@ class BfclDemoRun(SmolDemoRun):
         super().__init__(cfg)
         self.unseen_tasks = bfcl.tasks(UNSEEN)
         self.warm_start_name = warm_start_name()  # the cache bench/bench_bfcl.py's --warm-start shares
-        # the benchmark's checker scores every rollout; the agent's own word is refused
-        self.reward_config = RewardConfig.from_dict(RULES)
-        self.results["rewards"] = {"config": self.reward_config.describe(), "hash": self.reward_config.hash}
+        # the benchmark's checker scores every rollout; the agent's own word is refused. A
+        # configuration of the user's (`--rewards`) must keep a `bfcl` rule: the evaluations read
+        # its verdict (examples/rewards/bfcl-stages.toml: partial credit by the checker's stage).
+        if self.reward_config is None:
+            self.reward_config = RewardConfig.from_dict(RULES)
+            self.results["rewards"] = {"config": self.reward_config.describe(), "hash": self.reward_config.hash}
+        elif "bfcl" not in self.reward_config.weights:
+            raise ValueError(f"rewards {cfg.rewards}: a BFCL run's configuration needs a `bfcl` rule "
+                             "(lightning_middleware.benchmarks.bfcl:bfcl_score or :bfcl_stages); it has "
+                             + ", ".join(self.reward_config.weights))
 
     def _split(self) -> None:
         # BFCL's own split (TRAIN and HELD_OUT are disjoint item lists: no question in both)
