@@ -277,6 +277,20 @@ def test_at_scope_uniform_the_thread_ranks_tied_groups_on_demand_newest_first(ll
     assert all(g is not None and len({r.final_reward for r in g}) > 1 for g in reviewed)
 
 
+def test_where_nothing_goes_stale_the_thread_ranks_the_oldest_tied_group_first(llm_server, store: TraceStore) -> None:
+    """`newest_first=False` (the daemon keeps stale rollouts, or cannot tell their lag): no group
+    goes stale, so the oldest tied group is ranked first and none waits for ever behind newer ones."""
+    run_rollouts(llm_server, store, {"x": [1, 1, 1, 1], "y": [0, 0, 0, 0], "z": [1, 1, 1, 1]})
+    with ranking_judge(_in_order) as judge:
+        cfg = RewardConfig.from_dict({"rules": {"agent_reward": 1.0}, "rank_judge": {
+            "url": judge.url, "model": "j", "weight": 0.5, "scope": "uniform"}})
+        gate = RewardGate(store, RewardPolicy(config=cfg))
+        pool = [store.query_rollouts(task_id=t) for t in "xyz"]
+        assert gate.rank_ahead(pool, limit=1, newest_first=False) == 1 and _asked(judge) == ["x"]
+        assert gate.rank_ahead(pool, limit=1, newest_first=False) == 0 and len(judge.seen) == 1
+        assert gate.rank_ahead(pool, limit=2) == 1 and _asked(judge) == ["x", "z"]
+
+
 def test_a_failed_ranking_is_not_asked_again(llm_server, store: TraceStore) -> None:
     """A judge never readable: the gate's ranking fails once (its retry included) and the group
     counts as ranked: the thread does not ask again each round, and the collect skips its rollouts."""

@@ -137,17 +137,19 @@ class RewardGate:
         judge = self.scorer.config.rank_judge if self.scorer is not None else None
         return judge is not None and judge.scope == "uniform"
 
-    def rank_ahead(self, groups: Sequence[Sequence[Rollout]], limit: int | None = None) -> int:
+    def rank_ahead(self, groups: Sequence[Sequence[Rollout]], limit: int | None = None, *,
+                   newest_first: bool = True) -> int:
         """Score `groups` (oldest first) that lack the configuration's scoring and that no other
         thread is ranking (RankAhead's thread calls this); the number scored.
 
         Every group the judge must rank (scope "all"): the first `limit` of the unscored ones.
         Ties only (scope "uniform"): every group the other components tell apart first (no judge
         call, so none is held while the judge ranks), then the judge ranks tied groups on demand,
-        newest first, while fewer than `limit` groups with signal wait in `groups`. A tied group
-        trains only once ranked and only while fresh: ranked oldest first and beyond what the
-        trainer takes, most of the judge's work went to groups that went stale before a step took
-        them (docs/benchmarks.md)."""
+        while fewer than `limit` groups with signal wait in `groups`, newest first where old groups
+        go stale (`newest_first`; the daemon's stale rollouts are dropped). A tied group trains only
+        once ranked and only while fresh: ranked oldest first and beyond what the trainer takes,
+        most of the judge's work went to groups that went stale before a step took them
+        (docs/benchmarks.md). Where nothing goes stale, oldest first: none waits for ever."""
         if self.scorer is None or not groups:
             return 0
         stored: dict[str, Sequence[Reward]] = dict(self.store.rewards_for([r.id for g in groups for r in g]))
@@ -158,7 +160,8 @@ class RewardGate:
         wanted = len(tied) if limit is None else limit - sum(self._told_apart(g, stored) for g in groups)
         if wanted <= 0 or not tied:
             return told
-        return told + self._rank_unscored(tied[::-1][:wanted], stored, ahead=True)[0]
+        order = tied[::-1] if newest_first else tied
+        return told + self._rank_unscored(order[:wanted], stored, ahead=True)[0]
 
     def _told_apart(self, members: Sequence[Rollout], stored: Mapping[str, Sequence[Reward]]) -> bool:
         """Every member has the configuration's final reward, and they differ: the group trains."""
@@ -415,11 +418,13 @@ class RewardGate:
 class RankAhead:
     """A thread that keeps the ready groups ranked while the trainer trains: every `interval_s` (at
     once after a round that ranked something) it asks `ready()` for the ready groups, oldest first,
-    and has the gate rank ahead (`RewardGate.rank_ahead`) with `groups` as its limit."""
+    and has the gate rank ahead (`RewardGate.rank_ahead`) with `groups` as its limit; `newest_first`
+    where the trainer drops stale rollouts."""
 
     def __init__(self, gate: RewardGate, ready: Callable[[], list[list[Rollout]]], groups: int,
-                 interval_s: float, name: str = "rank-ahead") -> None:
+                 interval_s: float, name: str = "rank-ahead", *, newest_first: bool = True) -> None:
         self.gate, self.ready, self.groups, self.interval_s = gate, ready, groups, interval_s
+        self.newest_first = newest_first
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=name)
         self._thread.start()
@@ -428,7 +433,7 @@ class RankAhead:
         ranked = 0
         while not self._stop.wait(0 if ranked else self.interval_s):
             try:
-                ranked = self.gate.rank_ahead(self.ready(), self.groups)
+                ranked = self.gate.rank_ahead(self.ready(), self.groups, newest_first=self.newest_first)
             except Exception:  # the store or the judge failed: the collect ranks what is left itself
                 log.exception("ranking ahead failed; retrying in %.1f s", self.interval_s)
                 ranked = 0

@@ -91,7 +91,8 @@ class TrainerDaemon:
                         released, config.trainer_id)
         # A ranking judge ranks the next two steps' groups while this one trains (reward_gate.py).
         self._rank_ahead = (RankAhead(self.rewards, self._rankable_groups, 2 * config.group.groups_per_step,
-                                      config.poll_interval_s, name=f"rank-ahead-{config.trainer_id}")
+                                      config.poll_interval_s, name=f"rank-ahead-{config.trainer_id}",
+                                      newest_first=config.mode == "sync" or config.stale == "drop")
                             if self.rewards.ranks_groups and config.rewards.rank_ahead else None)
 
     # -- lifecycle -----------------------------------------------------------
