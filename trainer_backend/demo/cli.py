@@ -265,16 +265,13 @@ def run_cli(args: argparse.Namespace) -> int:
 def _bfcl_rewards_problem(path: str) -> str | None:
     """Why `path` cannot train a BFCL run (checked before the warm start), or None."""
     from lightning_middleware.rewards import ConfigError, load_config
+    from trainer_backend.demo.smol_bfcl import rewards_problem
 
     try:
         config = load_config(path)
     except ConfigError as e:
         return str(e)
-    if "bfcl" not in config.weights:  # the evaluations read the `bfcl` rule's verdict
-        return (f"--rewards {path}: a BFCL run's configuration needs a `bfcl` rule "
-                "(lightning_middleware.benchmarks.bfcl:bfcl_score or :bfcl_stages); it has "
-                + ", ".join(config.weights))
-    return None
+    return rewards_problem(config, path)
 
 
 def _judge_problem(args: argparse.Namespace) -> str | None:

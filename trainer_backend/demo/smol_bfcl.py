@@ -65,6 +65,15 @@ def warm_start_name() -> str:
     return "smol-bfcl-warm-" + hashlib.sha256(",".join(ids).encode()).hexdigest()[:8]
 
 
+def rewards_problem(config: RewardConfig, path: str | None) -> str | None:
+    """Why the `--rewards` configuration at `path` cannot train a BFCL run, or None: the evaluations
+    read its `bfcl` rule's verdict (examples/rewards/bfcl-stages.toml: partial credit by the checker's stage)."""
+    if "bfcl" in config.weights:
+        return None
+    return (f"--rewards {path}: a BFCL run's configuration needs a `bfcl` rule "
+            "(lightning_middleware.benchmarks.bfcl:bfcl_score or :bfcl_stages); it has " + ", ".join(config.weights))
+
+
 def outcomes(store: TraceStore, results: list[RolloutResult]) -> dict[str, Any]:
     """BFCL accuracy of finished rollouts (its checker's verdict), the share with a call at all and
     with calls BFCL could check, and the checker's error types (from the `bfcl` reward each rollout
@@ -95,15 +104,12 @@ class BfclDemoRun(SmolDemoRun):
         self.unseen_tasks = bfcl.tasks(UNSEEN)
         self.warm_start_name = warm_start_name()  # the cache bench/bench_bfcl.py's --warm-start shares
         # the benchmark's checker scores every rollout; the agent's own word is refused. A
-        # configuration of the user's (`--rewards`) must keep a `bfcl` rule: the evaluations read
-        # its verdict (examples/rewards/bfcl-stages.toml: partial credit by the checker's stage).
+        # configuration of the user's (`--rewards`) must keep a `bfcl` rule (rewards_problem).
         if self.reward_config is None:
             self.reward_config = RewardConfig.from_dict(RULES)
             self.results["rewards"] = {"config": self.reward_config.describe(), "hash": self.reward_config.hash}
-        elif "bfcl" not in self.reward_config.weights:
-            raise ValueError(f"rewards {cfg.rewards}: a BFCL run's configuration needs a `bfcl` rule "
-                             "(lightning_middleware.benchmarks.bfcl:bfcl_score or :bfcl_stages); it has "
-                             + ", ".join(self.reward_config.weights))
+        elif problem := rewards_problem(self.reward_config, cfg.rewards):
+            raise ValueError(problem)
 
     def _split(self) -> None:
         # BFCL's own split (TRAIN and HELD_OUT are disjoint item lists: no question in both)
