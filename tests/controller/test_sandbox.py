@@ -35,6 +35,8 @@ REWARDS = {"rules": {"succeeded": 1.0, "tool_call_valid": 0.0}, "agent_reward": 
 CODER = "tests.controller.sandbox_agents:coder"
 ATTACKER = "tests.controller.sandbox_agents:attacker"
 LIMITS = Sandbox(memory_bytes=2 * 2**30, cpu_s=3, max_procs=48)
+# A deadline no attack but `overrun` should meet: reaching it is a failure the test names.
+UNREACHED_DEADLINE_S = 240.0
 
 
 @dataclass
@@ -85,14 +87,6 @@ def _port_of(url: str) -> int:
     return port
 
 
-def cpu_share(cpu_s: float = 0.3) -> float:
-    """The share of a core a busy loop gets now: CPU time over wall time."""
-    t0, c0 = time.monotonic(), time.process_time()
-    while time.process_time() - c0 < cpu_s:
-        pass
-    return min(1.0, cpu_s / (time.monotonic() - t0))
-
-
 def test_every_attack_fails_and_ends_its_rollout_with_its_class(setup: Setup, llm_server: LLMTestServer,
                                                                 pg_server, tmp_path, monkeypatch) -> None:
     # A directory the sandbox binds (it is on the agent's import path), holding a checkpoint that a
@@ -137,23 +131,21 @@ def test_every_attack_fails_and_ends_its_rollout_with_its_class(setup: Setup, ll
     tasks = [{"attack": name, **extra, "task_id": name} for name, (extra, _, _) in attacks.items()]
     retry = RetryPolicy(max_attempts=3, retry_on=("ConnectionError", "OSError", "MemoryError", "TimeoutError",
                                                   "httpx.HTTPError"))
-    # The deadline that ends `overrun` must not end the other attacks first on a loaded machine
-    # (a fork bomb timed out at a fixed 8 s while the whole suite ran beside it): it is scaled
-    # from a harmless sandboxed rollout timed here, in the same run.
+    # Only `overrun` needs a deadline; every other attack ends by itself (a sandbox limit, an error or
+    # its answer). A deadline they shared ended the fork bomb first on a loaded machine twice (8 s fixed,
+    # then 9.1 s scaled, with the whole suite beside it on CI's 2 cores), so they run under a deadline
+    # far above their own ends, and `overrun` alone under one scaled from a harmless rollout timed here.
     t0 = time.monotonic()
     with RolloutController(ATTACKER, store=setup.store, backend=backend, concurrency=1, timeout_s=60.0) as c:
         [baseline] = c.run([{"attack": "read_secret", "var": "LIGHTNING_TEST_ALLOWED", "task_id": "baseline"}], n=1)
     assert baseline.status == "succeeded", baseline.error
-    # burn_cpu must reach its CPU-time limit (cpu_s) before the deadline: the wall time that takes is
-    # cpu_s over this process's share of a core now (the suite's demos beside it: 8 s was too short).
-    share = cpu_share()
-    deadline = min(120.0, max(8.0, 4 * (time.monotonic() - t0), 3 * sandbox.cpu_s / share))
-    print(f"baseline rollout {time.monotonic() - t0:.1f} s, CPU share {share:.2f}: deadline {deadline:.1f} s")
-    t0 = time.monotonic()
-    with RolloutController(ATTACKER, store=setup.store, backend=backend, concurrency=2, timeout_s=deadline,
-                           retry=retry) as c:
-        results = {r.task_id: r for r in c.run(tasks, n=1)}
-    elapsed = time.monotonic() - t0
+    deadline = min(60.0, max(8.0, 4 * (time.monotonic() - t0)))
+    results = {}
+    for batch, timeout_s in (([t for t in tasks if t["attack"] != "overrun"], UNREACHED_DEADLINE_S),
+                             ([t for t in tasks if t["attack"] == "overrun"], deadline)):
+        with RolloutController(ATTACKER, store=setup.store, backend=backend, concurrency=2, timeout_s=timeout_s,
+                               retry=retry) as c:
+            results.update({r.task_id: r for r in c.run(batch, n=1)})
     events = {e.data["rollout_id"]: e.data["class"] for e in setup.store.events(kind=SANDBOX_BREACH)}
     got = {name: (r.status, events.get(r.rollout_id), r.attempts) for name, r in results.items()}
     want = {name: (status, kind, 1) for name, (_, status, kind) in attacks.items()}
@@ -170,7 +162,6 @@ def test_every_attack_fails_and_ends_its_rollout_with_its_class(setup: Setup, ll
     assert [e.data["rollout_id"] for e in refused] == [results["self_reward"].rollout_id]
     everything = repr([setup.store.get_rollout(r.rollout_id) for r in results.values()])
     assert SECRET not in everything and "hunter2" not in everything
-    assert elapsed < 15 * deadline, (elapsed, deadline)  # 120 s at the unloaded 8 s
 
 
 def test_a_missing_sandbox_tool_is_one_line_naming_the_package(monkeypatch) -> None:
