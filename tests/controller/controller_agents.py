@@ -152,20 +152,36 @@ def _announce(pidfile: str) -> bool:
         os.remove(tmp)
 
 
-def kill_when_announced(pidfile: str, timeout_s: float = 60.0) -> threading.Thread:
-    """Start a thread that SIGKILLs the worker whose agent writes its pid to `pidfile`."""
-    import signal
+class Killer:
+    """A thread that SIGKILLs the worker whose agent writes its pid to `pidfile`. It waits for the
+    announcement however long the workers take to start (a fixed 60 s ran out while Ray's actors
+    started under load), until `join()`, called once the run is over, says to stop waiting."""
 
-    def killer() -> None:
-        end = time.monotonic() + timeout_s
-        while not os.path.exists(pidfile) and time.monotonic() < end:
-            time.sleep(0.02)
-        with open(pidfile) as f:
-            os.kill(int(f.read()), signal.SIGKILL)
+    def __init__(self, pidfile: str) -> None:
+        self.pidfile = pidfile
+        self.killed: int | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="killer")
+        self._thread.start()
 
-    thread = threading.Thread(target=killer)
-    thread.start()
-    return thread
+    def _run(self) -> None:
+        import signal
+
+        while not os.path.exists(self.pidfile):
+            if self._done.wait(0.02):
+                return
+        with open(self.pidfile) as f:
+            self.killed = int(f.read())
+        os.kill(self.killed, signal.SIGKILL)
+
+    def join(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def kill_when_announced(pidfile: str) -> Killer:
+    """Start a Killer for `pidfile`; `join()` it after the run."""
+    return Killer(pidfile)
 
 
 def make_tasks(server: LLMTestServer, store: TraceStore, n: int, **extra: Any) -> list[dict[str, Any]]:

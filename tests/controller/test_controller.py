@@ -163,6 +163,7 @@ def test_process_backend_killed_worker_and_hard_timeout(llm_server: LLMTestServe
                            retry=RetryPolicy(backoff_s=0.01)) as c:
         killed, slow, ok = c.run(tasks)
     k.join()
+    assert k.killed is not None, "no agent announced its pid: nothing was killed"
     first = sq.get_rollout(killed.rollout_ids[0])
     assert first.status == "failed" and "WorkerLost" in first.error and "exit code -9" in first.error
     assert len(sq.calls(first.id)) == 1  # the span it made before it died

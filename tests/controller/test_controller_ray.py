@@ -65,6 +65,7 @@ def test_ray_sync_agent_and_killed_actor(llm_server: LLMTestServer, sq: TraceSto
                            retry=RetryPolicy(backoff_s=0.5, max_attempts=4)) as c:
         results = c.run(tasks, n=2)
     k.join()
+    assert k.killed is not None, "no agent announced its pid: nothing was killed"
     failed = [r for r in sq.query_rollouts() if r.status == "failed"]
     assert failed and all("WorkerLost" in r.error for r in failed)
     killed = [r for r in failed if r.task_id == "t0"]
