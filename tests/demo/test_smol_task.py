@@ -179,3 +179,51 @@ def test_cli_takes_smollm2_with_arith_only() -> None:
     assert config_from(build_parser().parse_args(["demo", "--model", "smollm2", "--task", "arith"])).extra == {}
     assert run_cli(build_parser().parse_args(["demo", "--task", "arith"])) == 2  # arith needs smollm2
     assert run_cli(build_parser().parse_args(["demo", "--model", "smollm2"])) == 2  # and smollm2 arith
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_warm_starts_unpadded_backward_equals_the_padded_batchs(lora: bool) -> None:
+    """backward_batch: one example at a time, logits only where the loss reads them; the same loss
+    and gradients as the padded batch's `labels` loss, over masks that start at the first token
+    (which nothing predicts), end at the last, or leave an example with nothing to learn."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from trainer_backend.demo.smol_warm import backward_batch, padded_batch_loss
+
+    def fresh() -> Any:
+        torch.manual_seed(0)
+        cfg = transformers.Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+        model = transformers.Qwen2ForCausalLM(cfg)
+        if lora:
+            from peft import get_peft_model
+
+            from trainer_backend.engines.lora import AdapterConfig, peft_config
+            model = get_peft_model(model, peft_config(AdapterConfig(rank=4, alpha=8)))
+            for name, p in model.named_parameters():  # LoRA's B starts at zero: make its A's gradient nonzero
+                if "lora_B" in name:
+                    torch.nn.init.normal_(p, std=0.1)
+        return model
+
+    g = torch.Generator().manual_seed(1)
+
+    def example(n: int, masked: list[int]) -> tuple[list[int], list[int]]:
+        return torch.randint(0, 97, (n,), generator=g).tolist(), [int(i in masked) for i in range(n)]
+
+    batch = [example(23, [0, 1, 2, 20, 21, 22]),  # the first token and the last
+             example(9, [4, 5]),
+             example(31, [0]),  # nothing after its first token: no loss, no gradient of its own
+             example(17, list(range(10, 17)))]
+    ref_model, model = fresh(), fresh()
+    reference = padded_batch_loss(ref_model, batch)
+    reference.backward()
+    want = float(reference.item())
+    got = backward_batch(model, batch)
+    assert got == pytest.approx(want, rel=1e-5)
+    grads = [(n, p.grad, q.grad) for (n, p), q in zip(ref_model.named_parameters(), model.parameters(), strict=True)
+             if p.requires_grad]
+    assert grads and all(a is not None and b is not None for _, a, b in grads)
+    for name, a, b in grads:
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="no example"):
+        backward_batch(model, [example(5, [0]), example(4, [])])
