@@ -181,14 +181,16 @@ def test_cli_takes_smollm2_with_arith_only() -> None:
     assert run_cli(build_parser().parse_args(["demo", "--model", "smollm2"])) == 2  # and smollm2 arith
 
 
+@pytest.mark.parametrize("prefixed", [False, True], ids=["row-by-row", "shared-prefix"])
 @pytest.mark.parametrize("lora", [False, True])
-def test_the_warm_starts_unpadded_backward_equals_the_padded_batchs(lora: bool) -> None:
-    """backward_batch: one example at a time, logits only where the loss reads them; the same loss
-    and gradients as the padded batch's `labels` loss, over masks that start at the first token
-    (which nothing predicts), end at the last, or leave an example with nothing to learn."""
+def test_the_warm_starts_backward_equals_the_padded_batchs(lora: bool, prefixed: bool) -> None:
+    """backward_batch: logits only where the loss reads them, and either the rows one at a time or
+    their common prefix decoded once; the same loss and gradients as the padded batch's `labels`
+    loss, over masks that start at the first token (which nothing predicts), end at the last, sit
+    inside the shared prefix or on the first token after it, or leave an example nothing to learn."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from trainer_backend.demo.smol_warm import backward_batch, padded_batch_loss
+    from trainer_backend.demo.smol_warm import backward_batch, padded_batch_loss, shared_prefix
 
     def fresh() -> Any:
         torch.manual_seed(0)
@@ -206,24 +208,45 @@ def test_the_warm_starts_unpadded_backward_equals_the_padded_batchs(lora: bool) 
         return model
 
     g = torch.Generator().manual_seed(1)
+    head = torch.randint(0, 97, (20,), generator=g).tolist() if prefixed else []
 
     def example(n: int, masked: list[int]) -> tuple[list[int], list[int]]:
-        return torch.randint(0, 97, (n,), generator=g).tolist(), [int(i in masked) for i in range(n)]
+        ids = head + torch.randint(0, 97, (n - len(head),), generator=g).tolist()
+        return ids, [int(i in masked) for i in range(n)]
 
-    batch = [example(23, [0, 1, 2, 20, 21, 22]),  # the first token and the last
-             example(9, [4, 5]),
-             example(31, [0]),  # nothing after its first token: no loss, no gradient of its own
-             example(17, list(range(10, 17)))]
+    if prefixed:  # 20 shared tokens, 3-8 of each row's own
+        batch = [example(28, [0, 5, 20, 21, 27]),  # inside the prefix, the first own token, the last
+                 example(23, [22]),
+                 example(25, [0]),  # nothing after its first token: no loss, no gradient of its own
+                 example(21, [20])]
+    else:
+        batch = [example(23, [0, 1, 2, 20, 21, 22]),
+                 example(9, [4, 5]),
+                 example(31, [0]),
+                 example(17, list(range(10, 17)))]
+    assert shared_prefix(batch) == (20 if prefixed else 0)
     ref_model, model = fresh(), fresh()
     reference = padded_batch_loss(ref_model, batch)
     reference.backward()
-    want = float(reference.item())
     got = backward_batch(model, batch)
-    assert got == pytest.approx(want, rel=1e-5)
+    assert got == pytest.approx(float(reference.item()), rel=1e-5)
     grads = [(n, p.grad, q.grad) for (n, p), q in zip(ref_model.named_parameters(), model.parameters(), strict=True)
              if p.requires_grad]
     assert grads and all(a is not None and b is not None for _, a, b in grads)
     for name, a, b in grads:
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
     with pytest.raises(ValueError, match="no example"):
-        backward_batch(model, [example(5, [0]), example(4, [])])
+        backward_batch(model, [example(25, [0]), example(24, [])])
+
+
+def test_a_shared_prefix_is_decoded_once_only_where_it_computes_less() -> None:
+    from trainer_backend.demo.smol_warm import shared_prefix
+
+    def rows(*seqs: list[int]) -> list[tuple[list[int], list[int]]]:
+        return [(s, [1] * len(s)) for s in seqs]
+
+    assert shared_prefix(rows([1, 2, 3, 4, 5], [1, 2, 3, 9])) == 3  # 3 + 2 x 2 = 7 tokens against 9
+    assert shared_prefix(rows([1, 2, 3], [1, 2, 3, 4])) == 2  # each row keeps a token of its own
+    assert shared_prefix(rows([1, 2, 3])) == 0  # one row: nothing to share
+    assert shared_prefix(rows([1, 9, 9, 9, 9, 9, 9], [1, 2])) == 0  # 1 + 2 x 6 = 13 tokens against 9
+    assert shared_prefix(rows([5, 2], [1, 2])) == 0

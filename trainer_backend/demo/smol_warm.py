@@ -142,28 +142,63 @@ def _build(base: Path, out: Path, cfg: SmolWarmStart,
     tmp.rename(out)
 
 
+def shared_prefix(batch: list[tuple[list[int], list[int]]]) -> int:
+    """How many leading tokens `backward_batch` decodes once for every row of `batch`: the rows'
+    common prefix (each row keeping a token of its own), where that and the rows' own tokens padded
+    to the longest compute fewer tokens than the rows one by one; else 0."""
+    from trainer_backend.engines.batching import common_prefix, run_tokens
+
+    lengths = [len(ids) for ids, _ in batch]
+    if len(batch) < 2:
+        return 0
+    shared = min(min(common_prefix(batch[0][0], ids) for ids, _ in batch[1:]), min(lengths) - 1)
+    return shared if shared > 0 and run_tokens(shared, lengths) < sum(lengths) else 0
+
+
 def backward_batch(model: Any, batch: list[tuple[list[int], list[int]]]) -> float:
     """Backpropagate the batch's mean loss over its masked tokens (what a causal LM's `labels`
-    loss gives for the batch padded) one example at a time, and return that loss. Unpadded, and
-    with logits only where the loss reads them: a BFCL batch was 18% padding, and its 49k-wide
-    logits were computed at every position where 12% carry loss (1.1-1.7x a step on an AVX2
-    EPYC, docs/benchmarks.md)."""
+    loss gives for the batch padded) and return that loss, computing less than the padded batch:
+    logits only where the loss reads them (12% of a BFCL batch's positions; the output layer is
+    49k wide), and the rows' common prefix decoded once where it pays (`shared_prefix`: the
+    arithmetic demonstrations share ~350 of their ~390 tokens, the system prompt and the tool),
+    else one row at a time, unpadded (a BFCL batch was 18% padding). docs/benchmarks.md, "The
+    SmolLM2 warm start's step"."""
     import torch
     import torch.nn.functional as F
+
+    from trainer_backend.algorithms.logprobs import split_head
+    from trainer_backend.engines.batching import SharedPrefix
+    from trainer_backend.engines.torch_engine import decode_shared_prefixes
 
     total = sum(sum(mask[1:]) for _, mask in batch)  # a token's logit sits one position before it
     if total == 0:
         raise ValueError("no example in the batch has a masked token after its first")
+    split, shared = split_head(model), shared_prefix(batch)
+    if split is not None and shared:
+        decoder, head = split
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for row, (seq, _) in enumerate(batch):
+            ids[row, :len(seq)] = torch.tensor(seq)
+            attn[row, :len(seq)] = 1
+        rows, cols = zip(*[(r, i - 1) for r, (_, mask) in enumerate(batch) for i in range(1, len(mask)) if mask[i]],
+                         strict=True)
+        r, c = torch.tensor(rows), torch.tensor(cols)
+        hidden = decode_shared_prefixes(decoder, ids, attn, [SharedPrefix(tuple(range(len(batch))), shared)])
+        loss = F.cross_entropy(head(hidden[r, c]).float(), ids[r, c + 1], reduction="sum") / total
+        loss.backward()
+        return float(loss.item())
     loss_sum = 0.0
     for seq, mask in batch:
         keep = torch.tensor([i - 1 for i in range(1, len(seq)) if mask[i]], dtype=torch.long)
         if len(keep) == 0:
             continue
-        ids = torch.tensor([seq], dtype=torch.long)
-        logits = model(input_ids=ids, logits_to_keep=keep).logits[0]
-        loss = F.cross_entropy(logits.float(), ids[0, keep + 1], reduction="sum") / total
-        loss.backward()
-        loss_sum += loss.item()
+        row = torch.tensor([seq], dtype=torch.long)
+        logits = model(input_ids=row, logits_to_keep=keep).logits[0]
+        one = F.cross_entropy(logits.float(), row[0, keep + 1], reduction="sum") / total
+        one.backward()
+        loss_sum += one.item()
     return loss_sum
 
 
