@@ -131,10 +131,19 @@ def _controller_from(args: Any) -> RolloutController:
 
 
 def _sigterm_as_ctrl_c() -> None:
-    # So that SIGTERM (kubectl delete, a CI timeout) leaves the `with` block like Ctrl-C does and the
-    # backend's close() runs: worker processes and Ray actors stop, the run's k8s Jobs are deleted.
+    # So that SIGTERM (kubectl delete, a CI timeout) ends a run as Ctrl-C does: the run is cancelled
+    # and each rollout it started records its end, then the `with` block's close() stops worker
+    # processes and Ray actors and deletes the run's k8s Jobs.
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    handler = signal.getsignal(signal.SIGINT)  # the controller's run installs its own while it runs
+    if callable(handler):
+        handler(signal.SIGINT, frame)
+    else:  # SIGINT ignored (a background job of a non-interactive shell): SIGTERM still stops the run
+        raise KeyboardInterrupt
 
 
 def _cli_run(args: Any) -> int:

@@ -105,8 +105,8 @@ class RolloutController:
         self._started = False
         self._sessions = 0
         self._heartbeat_task: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_lock = threading.Lock()
+        self._runner: asyncio.Runner | None = None
+        self._runner_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------
     def _start_backend(self) -> None:
@@ -119,11 +119,12 @@ class RolloutController:
         """Stop the backend (worker processes, Ray actors). The controller can't be reused after."""
         self.backend.close()
         self._started = False
-        if self._loop is not None and self._loop_lock.acquire(blocking=False):
+        if self._runner is not None and self._runner_lock.acquire(blocking=False):
             try:
-                self._loop.close()
+                self._runner.close()
+                self._runner = None
             finally:
-                self._loop_lock.release()
+                self._runner_lock.release()
 
     def __enter__(self) -> RolloutController:
         return self
@@ -347,16 +348,18 @@ class RolloutController:
         return self.run_sync(self.arun(tasks, n=n, mode=mode, metadata=metadata))
 
     def run_sync(self, coro: Awaitable[T]) -> T:
-        """Run a coroutine on the controller's own event loop, kept across calls so async
-        clients an agent caches stay usable; if that loop is busy (continuous mode in
-        another thread), on a fresh one."""
-        if self._loop_lock.acquire(blocking=False):
+        """Run a coroutine on the controller's own event loop (an `asyncio.Runner`), kept across
+        calls so async clients an agent caches stay usable; if that loop is busy (continuous mode
+        in another thread), on a fresh one. Ctrl-C, as in `asyncio.run`, cancels the run, which
+        records the end of every rollout it started, then raises KeyboardInterrupt: rollouts the
+        user interrupted are not left running, nor recorded as finished by the agents' late ends."""
+        if self._runner_lock.acquire(blocking=False):
             try:
-                if self._loop is None or self._loop.is_closed():
-                    self._loop = asyncio.new_event_loop()
-                return self._loop.run_until_complete(coro)
+                if self._runner is None:
+                    self._runner = asyncio.Runner()
+                return self._runner.run(coro)  # type: ignore[arg-type]
             finally:
-                self._loop_lock.release()
+                self._runner_lock.release()
         return asyncio.run(coro)  # type: ignore[arg-type]
 
     # -- continuous mode ---------------------------------------------------------

@@ -96,6 +96,57 @@ def test_thread_timeout_is_recorded_even_though_the_thread_runs_on(llm_server: L
         assert sq.get_rollout(res.rollout_id).status == "timeout"
 
 
+def test_the_thread_backends_pool_runs_jobs_on_at_most_its_daemon_threads() -> None:
+    """DaemonThreadPool: results and errors reach the futures, at most max_workers threads, all
+    daemons (an abandoned agent call does not hold the interpreter's exit), idle ones reused, and
+    shutdown cancels what has not started."""
+    from lightning_middleware.controller.backends.local import DaemonThreadPool
+
+    prefix = "daemon-pool-test"
+    pool = DaemonThreadPool(2, thread_name_prefix=prefix)
+    release = threading.Event()
+    names: list[str] = []
+
+    def job(i: int) -> int:
+        names.append(threading.current_thread().name)
+        assert threading.current_thread().daemon
+        release.wait(30)
+        if i == 3:
+            raise ValueError("three")
+        return i * 10
+
+    def until(condition: Any) -> None:
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    def threads() -> int:
+        return sum(t.name.startswith(prefix) for t in threading.enumerate())
+
+    futures = [pool.submit(job, i) for i in range(5)]
+    until(lambda: len(names) == 2)
+    time.sleep(0.2)
+    assert sum(f.running() for f in futures) == 2 and len(names) == 2 and threads() == 2  # the rest queued
+    release.set()
+    assert [f.result(30) for f in futures[:3]] == [0, 10, 20]
+    with pytest.raises(ValueError, match="three"):
+        futures[3].result(30)
+    assert futures[4].result(30) == 40 and set(names) == {f"{prefix}_0", f"{prefix}_1"}
+    assert pool.submit(lambda: "again").result(30) == "again" and threads() == 2  # idle threads reused
+    release.clear()
+    busy = [pool.submit(job, 0) for _ in range(2)]
+    until(lambda: all(f.running() for f in busy))
+    waiting = pool.submit(job, 0)
+    pool.shutdown(wait=False, cancel_futures=True)
+    assert waiting.cancelled() and not any(f.cancelled() for f in busy)
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit(job, 0)
+    release.set()
+    assert [f.result(30) for f in busy] == [0, 0]
+    until(lambda: threads() == 0)  # told to stop once their jobs ended
+
+
 def test_infra_errors_retry_low_rewards_do_not(llm_server: LLMTestServer, sq: TraceStore) -> None:
     seen: dict[str, int] = {}
     lock = threading.Lock()
