@@ -194,9 +194,9 @@ def backward_batch(model: Any, batch: list[tuple[list[int], list[int]]]) -> floa
         keep = torch.tensor([i - 1 for i in range(1, len(seq)) if mask[i]], dtype=torch.long)
         if len(keep) == 0:
             continue
-        row = torch.tensor([seq], dtype=torch.long)
-        logits = model(input_ids=row, logits_to_keep=keep).logits[0]
-        one = F.cross_entropy(logits.float(), row[0, keep + 1], reduction="sum") / total
+        tokens = torch.tensor([seq], dtype=torch.long)
+        logits = model(input_ids=tokens, logits_to_keep=keep).logits[0]
+        one = F.cross_entropy(logits.float(), tokens[0, keep + 1], reduction="sum") / total
         one.backward()
         loss_sum += one.item()
     return loss_sum
