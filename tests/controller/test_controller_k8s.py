@@ -174,8 +174,11 @@ def test_a_signal_deletes_the_runs_jobs(cluster: Cluster, llm_server: LLMTestSer
            "tests.controller.controller_agents:tool_agent", "--tasks", str(tasks), "--store",
            sq.url.render_as_string(hide_password=False), "--backend", "k8s", "--k8s-template", str(tmpl),
            "--k8s-api-url", api.url, "--concurrency", "3", "--k8s-rollouts-per-job", str(per_job)]
+    # SIGINT at its default in the child, as a terminal starts it: a suite run as a background job of a
+    # non-interactive shell ignores SIGINT, and the child would inherit that
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     end = time.monotonic() + 90  # a batch runs its rollouts one after another: one of them is running
     while len(sq.query_rollouts(status="running")) < 3 // per_job and time.monotonic() < end and proc.poll() is None:
         time.sleep(0.1)
