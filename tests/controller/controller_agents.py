@@ -179,11 +179,6 @@ class Killer:
         self._thread.join()
 
 
-def kill_when_announced(pidfile: str) -> Killer:
-    """Start a Killer for `pidfile`; `join()` it after the run."""
-    return Killer(pidfile)
-
-
 def make_tasks(server: LLMTestServer, store: TraceStore, n: int, **extra: Any) -> list[dict[str, Any]]:
     """n tasks for these agents, each naming the test LLM server and the store URL."""
     url = store.url.render_as_string(hide_password=False)

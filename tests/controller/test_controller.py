@@ -209,7 +209,7 @@ def test_process_backend_killed_worker_and_hard_timeout(llm_server: LLMTestServe
     tasks[0]["pidfile"] = pidfile  # first attempt announces its pid and hangs: we kill -9 it
     tasks[1]["sleep"] = 30  # SIGALRM timeout inside the worker
 
-    k = A.kill_when_announced(pidfile)
+    k = A.Killer(pidfile)
     with RolloutController(A.tool_agent, store=sq, backend="process", workers=3, concurrency=3, timeout_s=4,
                            retry=RetryPolicy(backoff_s=0.01)) as c:
         killed, slow, ok = c.run(tasks)

@@ -60,7 +60,7 @@ def test_ray_sync_agent_and_killed_actor(llm_server: LLMTestServer, sq: TraceSto
     tasks = A.make_tasks(llm_server, sq, 3)
     tasks[0]["pidfile"] = pidfile
 
-    k = A.kill_when_announced(pidfile)
+    k = A.Killer(pidfile)
     with RolloutController(A.tool_agent, store=sq, backend="ray", workers=2, concurrency=2,
                            retry=RetryPolicy(backoff_s=0.5, max_attempts=4)) as c:
         results = c.run(tasks, n=2)

@@ -170,30 +170,25 @@ def backward_batch(model: Any, batch: list[tuple[list[int], list[int]]]) -> floa
     from trainer_backend.engines.batching import SharedPrefix
     from trainer_backend.engines.torch_engine import decode_shared_prefixes
 
-    total = sum(sum(mask[1:]) for _, mask in batch)  # a token's logit sits one position before it
+    targets = [_logit_positions(mask) for _, mask in batch]
+    total = sum(len(t) for t in targets)
     if total == 0:
         raise ValueError("no example in the batch has a masked token after its first")
     split, shared = split_head(model), shared_prefix(batch)
     if split is not None and shared:
         decoder, head = split
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for row, (seq, _) in enumerate(batch):
-            ids[row, :len(seq)] = torch.tensor(seq)
-            attn[row, :len(seq)] = 1
-        rows, cols = zip(*[(r, i - 1) for r, (_, mask) in enumerate(batch) for i in range(1, len(mask)) if mask[i]],
-                         strict=True)
-        r, c = torch.tensor(rows), torch.tensor(cols)
+        ids, attn = _right_padded(batch)
+        r = torch.tensor([row for row, t in enumerate(targets) for _ in t])
+        c = torch.tensor([i for t in targets for i in t])
         hidden = decode_shared_prefixes(decoder, ids, attn, [SharedPrefix(tuple(range(len(batch))), shared)])
         loss = F.cross_entropy(head(hidden[r, c]).float(), ids[r, c + 1], reduction="sum") / total
         loss.backward()
         return float(loss.item())
     loss_sum = 0.0
-    for seq, mask in batch:
-        keep = torch.tensor([i - 1 for i in range(1, len(seq)) if mask[i]], dtype=torch.long)
-        if len(keep) == 0:
+    for (seq, _), positions in zip(batch, targets, strict=True):
+        if not positions:
             continue
+        keep = torch.tensor(positions, dtype=torch.long)
         tokens = torch.tensor([seq], dtype=torch.long)
         logits = model(input_ids=tokens, logits_to_keep=keep).logits[0]
         one = F.cross_entropy(logits.float(), tokens[0, keep + 1], reduction="sum") / total
@@ -206,14 +201,25 @@ def padded_batch_loss(model: Any, batch: list[tuple[list[int], list[int]]], pad:
     """The batch right-padded, with the causal LM's own `labels` loss: what `backward_batch`
     backpropagates, at the cost it had before (the reference of tests/demo/test_smol_task.py and
     bench/bench_warm_start.py)."""
+    ids, attn = _right_padded(batch, pad)
+    labels = _right_padded([([t if m else -100 for t, m in zip(seq, mask, strict=True)], mask)
+                            for seq, mask in batch], -100)[0]
+    return model(input_ids=ids, attention_mask=attn, labels=labels).loss
+
+
+def _logit_positions(mask: list[int]) -> list[int]:
+    """The positions whose logits predict a masked token: one before it (nothing predicts the first)."""
+    return [i - 1 for i in range(1, len(mask)) if mask[i]]
+
+
+def _right_padded(batch: list[tuple[list[int], list[int]]], pad: int = 0) -> tuple[Any, Any]:
+    """(token IDs, attention mask) of `batch`'s rows, right-padded with `pad` to the longest."""
     import torch
 
     width = max(len(ids) for ids, _ in batch)
     ids = torch.full((len(batch), width), pad, dtype=torch.long)
-    labels = torch.full((len(batch), width), -100, dtype=torch.long)
     attn = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, (seq, mask) in enumerate(batch):
+    for row, (seq, _) in enumerate(batch):
         ids[row, :len(seq)] = torch.tensor(seq)
         attn[row, :len(seq)] = 1
-        labels[row, :len(seq)] = torch.tensor([t if m else -100 for t, m in zip(seq, mask, strict=True)])
-    return model(input_ids=ids, attention_mask=attn, labels=labels).loss
+    return ids, attn
