@@ -22,6 +22,9 @@ from lightning_middleware.testing import LLMTestServer
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look a fact up",
                                            "parameters": {"type": "object",
                                                           "properties": {"query": {"type": "string"}}}}}]
+# The timeout of runs whose rollouts must all finish: a short one cut ~0.4 s rollouts short on a loaded
+# CI machine. A test of the timeout itself gives the sleeping task a run of its own, with a short one.
+UNREACHED_TIMEOUT_S = 120.0
 _clients: dict[tuple[str, str, int], Any] = {}
 _lock = threading.Lock()
 

@@ -95,9 +95,9 @@ def test_rollouts_run_on_an_existing_ray_cluster(ray_head: str, llm_server: LLMT
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     results = out["results"]
-    assert all(status == "succeeded" and reward == 1.0 for tid, status, reward, _ in results if tid != "t2")
-    assert [status for tid, status, _, _ in results if tid == "t2"] == ["timeout", "timeout"]
-    assert all(len(sq.calls(rid)) >= 1 for _, _, _, rid in results)
+    assert all(status == "succeeded" and reward == 1.0 for tid, status, reward, *_ in results if tid != "t2"), results
+    assert [status for tid, status, *_ in results if tid == "t2"] == ["timeout", "timeout"], results
+    assert all(len(sq.calls(rid)) >= 1 for _, _, _, rid, *_ in results)
     assert out["nodes"] == [True]  # the head we started, not a fresh local runtime
     assert out["driver"] not in out["pids"] and len(set(out["pids"])) == 2
 
