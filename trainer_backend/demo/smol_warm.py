@@ -22,6 +22,7 @@ from typing import Any
 
 from trainer_backend.caching import build_once
 from trainer_backend.demo.arith import SMOLLM2_TOOLS_TEMPLATE, SYSTEM, TOOL_NAME, calculate, make_problems
+from trainer_backend.demo.sft import CoreShare, backward_batch
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +111,11 @@ def _build(base: Path, out: Path, cfg: SmolWarmStart,
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer_backend.demo.warm_start import idle_cores
     from trainer_backend.engines.lora import AdapterConfig, peft_config
 
     torch.manual_seed(cfg.seed)
-    torch.set_num_threads(idle_cores())  # not whatever the process last set (an async RL run sets 1)
+    cores = CoreShare()  # not whatever the process last set (an async RL run sets 1)
+    cores.start()
     tok = AutoTokenizer.from_pretrained(base)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                            peft_config(AdapterConfig(rank=cfg.rank, alpha=2 * cfg.rank)))
@@ -126,6 +127,7 @@ def _build(base: Path, out: Path, cfg: SmolWarmStart,
         loss = backward_batch(model, batch)
         opt.step()
         opt.zero_grad()
+        cores.step()
         tokens += sum(len(ids) for ids, _ in batch)
         log.info("smol warm start step %d/%d loss %.3f (%.0f tokens/s)", step + 1, cfg.steps, loss,
                  tokens / (time.perf_counter() - t0))
@@ -140,86 +142,3 @@ def _build(base: Path, out: Path, cfg: SmolWarmStart,
     (tmp / ".done").write_text("ok")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-
-
-def shared_prefix(batch: list[tuple[list[int], list[int]]]) -> int:
-    """How many leading tokens `backward_batch` decodes once for every row of `batch`: the rows'
-    common prefix (each row keeping a token of its own), where that and the rows' own tokens padded
-    to the longest compute fewer tokens than the rows one by one; else 0."""
-    from trainer_backend.engines.batching import common_prefix, run_tokens
-
-    lengths = [len(ids) for ids, _ in batch]
-    if len(batch) < 2:
-        return 0
-    shared = min(min(common_prefix(batch[0][0], ids) for ids, _ in batch[1:]), min(lengths) - 1)
-    return shared if shared > 0 and run_tokens(shared, lengths) < sum(lengths) else 0
-
-
-def backward_batch(model: Any, batch: list[tuple[list[int], list[int]]]) -> float:
-    """Backpropagate the batch's mean loss over its masked tokens (what a causal LM's `labels`
-    loss gives for the batch padded) and return that loss, computing less than the padded batch:
-    logits only where the loss reads them (12% of a BFCL batch's positions; the output layer is
-    49k wide), and the rows' common prefix decoded once where it pays (`shared_prefix`: the
-    arithmetic demonstrations share ~350 of their ~390 tokens, the system prompt and the tool),
-    else one row at a time, unpadded (a BFCL batch was 18% padding). docs/benchmarks.md, "The
-    SmolLM2 warm start's step"."""
-    import torch
-    import torch.nn.functional as F
-
-    from trainer_backend.algorithms.logprobs import split_head
-    from trainer_backend.engines.batching import SharedPrefix
-    from trainer_backend.engines.torch_engine import decode_shared_prefixes
-
-    targets = [_logit_positions(mask) for _, mask in batch]
-    total = sum(len(t) for t in targets)
-    if total == 0:
-        raise ValueError("no example in the batch has a masked token after its first")
-    split, shared = split_head(model), shared_prefix(batch)
-    if split is not None and shared:
-        decoder, head = split
-        ids, attn = _right_padded(batch)
-        r = torch.tensor([row for row, t in enumerate(targets) for _ in t])
-        c = torch.tensor([i for t in targets for i in t])
-        hidden = decode_shared_prefixes(decoder, ids, attn, [SharedPrefix(tuple(range(len(batch))), shared)])
-        loss = F.cross_entropy(head(hidden[r, c]).float(), ids[r, c + 1], reduction="sum") / total
-        loss.backward()
-        return float(loss.item())
-    loss_sum = 0.0
-    for (seq, _), positions in zip(batch, targets, strict=True):
-        if not positions:
-            continue
-        keep = torch.tensor(positions, dtype=torch.long)
-        tokens = torch.tensor([seq], dtype=torch.long)
-        logits = model(input_ids=tokens, logits_to_keep=keep).logits[0]
-        one = F.cross_entropy(logits.float(), tokens[0, keep + 1], reduction="sum") / total
-        one.backward()
-        loss_sum += one.item()
-    return loss_sum
-
-
-def padded_batch_loss(model: Any, batch: list[tuple[list[int], list[int]]], pad: int = 0) -> Any:
-    """The batch right-padded, with the causal LM's own `labels` loss: what `backward_batch`
-    backpropagates, at the cost it had before (the reference of tests/demo/test_smol_task.py and
-    bench/bench_warm_start.py)."""
-    ids, attn = _right_padded(batch, pad)
-    labels = _right_padded([([t if m else -100 for t, m in zip(seq, mask, strict=True)], mask)
-                            for seq, mask in batch], -100)[0]
-    return model(input_ids=ids, attention_mask=attn, labels=labels).loss
-
-
-def _logit_positions(mask: list[int]) -> list[int]:
-    """The positions whose logits predict a masked token: one before it (nothing predicts the first)."""
-    return [i - 1 for i in range(1, len(mask)) if mask[i]]
-
-
-def _right_padded(batch: list[tuple[list[int], list[int]]], pad: int = 0) -> tuple[Any, Any]:
-    """(token IDs, attention mask) of `batch`'s rows, right-padded with `pad` to the longest."""
-    import torch
-
-    width = max(len(ids) for ids, _ in batch)
-    ids = torch.full((len(batch), width), pad, dtype=torch.long)
-    attn = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, (seq, _) in enumerate(batch):
-        ids[row, :len(seq)] = torch.tensor(seq)
-        attn[row, :len(seq)] = 1
-    return ids, attn

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer_backend.caching import build_once
+from trainer_backend.demo.sft import CoreShare, backward_batch
 from trainer_backend.demo.task import (
     HIGH,
     LOW,
@@ -163,9 +164,8 @@ def _build(out: Path, cfg: WarmStartConfig, progress: bool, save_at: Sequence[in
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.perf_counter()
-    # All cores only when they are idle: OpenMP threads spin against other busy processes (on
-    # 2 cores next to one busy process, 2 threads ran 1.8x slower than 1; idle, 1.8x faster).
-    torch.set_num_threads(threads or idle_cores())
+    cores = CoreShare(threads)
+    cores.start()
     build_base_model(tmp, cfg)
     tok = AutoTokenizer.from_pretrained(tmp)
     demo_rng = random.Random(f"demos:{cfg.seed}")
@@ -184,53 +184,26 @@ def _build(out: Path, cfg: WarmStartConfig, progress: bool, save_at: Sequence[in
     # constant after warm-up: the model after k steps is the same whatever sft_steps is (tuning saves several k)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps))
     rng = random.Random(cfg.seed)
-    pad = tok.pad_token_id or 0
     for step in range(cfg.sft_steps):
         batch = [examples[rng.randrange(len(examples))] for _ in range(cfg.batch_size)]
-        T = max(len(x) for x, _ in batch)
-        ids = torch.full((len(batch), T), pad, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        labels = torch.full_like(ids, -100)
-        for b, (x, m) in enumerate(batch):
-            ids[b, :len(x)] = torch.tensor(x)
-            attn[b, :len(x)] = 1
-            labels[b, :len(x)] = torch.tensor([t if k else -100 for t, k in zip(x, m)])
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
-            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad()
-        loss.backward()
+        # the episodes share their ~120-token system prompt and tools: decoded once per batch
+        loss = backward_batch(model, batch, bf16=cfg.precision == "bf16")
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        cores.step()
         if step + 1 in save_at:  # tuning: snapshots next to the output
             model.save_pretrained(tmp, safe_serialization=True)
             shutil.copytree(tmp, out.with_name(f"{out.name}-step{step + 1}"), dirs_exist_ok=True)
         if progress and (step % 10 == 0 or step == cfg.sft_steps - 1):
-            print(f"  warm start step {step + 1}/{cfg.sft_steps}  loss {loss.item():.3f}", flush=True)
+            print(f"  warm start step {step + 1}/{cfg.sft_steps}  loss {loss:.3f}", flush=True)
     model.save_pretrained(tmp, safe_serialization=True)
     (tmp / "warm_start.json").write_text(json.dumps({**asdict(cfg), "seconds": time.perf_counter() - t0}, indent=2))
     (tmp / ".done").write_text("ok")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     log.info("warm start written to %s in %.0f s", out, time.perf_counter() - t0)
-
-
-def idle_cores(sample_s: float = 0.3) -> int:
-    """How many cores sat idle over a short sample of /proc/stat (at least 1; all on other OSes)."""
-    n = os.cpu_count() or 1
-
-    def times() -> tuple[int, int]:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
-
-    try:
-        total0, idle0 = times()
-        time.sleep(sample_s)
-        total1, idle1 = times()
-    except (OSError, ValueError, IndexError):
-        return n
-    idle = n * (idle1 - idle0) / max(1, total1 - total0)
-    return max(1, min(n, int(idle + 0.2)))
 
 
 def _main(argv: Sequence[str]) -> int:
