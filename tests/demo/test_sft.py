@@ -19,7 +19,7 @@ def test_the_warm_starts_backward_equals_the_padded_batchs(lora: bool, prefixed:
     inside the shared prefix or on the first token after it, or leave an example nothing to learn."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from trainer_backend.demo.sft import backward_batch, padded_batch_loss, shared_prefix
+    from trainer_backend.demo.sft import backward_batch, length_groups, padded_batch_loss, shared_prefix
 
     def fresh() -> Any:
         torch.manual_seed(0)
@@ -43,17 +43,21 @@ def test_the_warm_starts_backward_equals_the_padded_batchs(lora: bool, prefixed:
         ids = head + torch.randint(0, 97, (n - len(head),), generator=g).tolist()
         return ids, [int(i in masked) for i in range(n)]
 
-    if prefixed:  # 20 shared tokens, 3-8 of each row's own
+    if prefixed:  # 20 shared tokens, 1-8 of each row's own, and two rows of 38-40: two groups
         batch = [example(28, [0, 5, 20, 21, 27]),  # inside the prefix, the first own token, the last
+                 example(60, [30, 59]),
                  example(23, [22]),
                  example(25, [0]),  # nothing after its first token: no loss, no gradient of its own
-                 example(21, [20])]
+                 example(21, [20]),
+                 example(58, [20, 57])]
     else:
         batch = [example(23, [0, 1, 2, 20, 21, 22]),
                  example(9, [4, 5]),
                  example(31, [0]),
                  example(17, list(range(10, 17)))]
     assert shared_prefix(batch) == (20 if prefixed else 0)
+    if prefixed:
+        assert length_groups([len(x) for x, _ in batch], 20)[1] == [[4, 2, 3, 0], [5, 1]]
     ref_model, model = fresh(), fresh()
     reference = padded_batch_loss(ref_model, batch)
     reference.backward()
@@ -77,8 +81,41 @@ def test_a_shared_prefix_is_decoded_once_only_where_it_computes_less() -> None:
     assert shared_prefix(rows([1, 2, 3, 4, 5], [1, 2, 3, 9])) == 3  # 3 + 2 x 2 = 7 tokens against 9
     assert shared_prefix(rows([1, 2, 3], [1, 2, 3, 4])) == 2  # each row keeps a token of its own
     assert shared_prefix(rows([1, 2, 3])) == 0  # one row: nothing to share
-    assert shared_prefix(rows([1, 9, 9, 9, 9, 9, 9], [1, 2])) == 0  # 1 + 2 x 6 = 13 tokens against 9
+    # one group 1 + 2 x 6 = 13 tokens, two (1 + 1) + (1 + 6) = 9, against 9
+    assert shared_prefix(rows([1, 9, 9, 9, 9, 9, 9], [1, 2])) == 0
     assert shared_prefix(rows([5, 2], [1, 2])) == 0
+    # one group 3 + 3 x 7 = 24 tokens against 18; the short rows apart, (3 + 2 x 1) + (3 + 7) = 15
+    assert shared_prefix(rows([1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 6, 7, 8, 9, 10, 11, 12])) == 3
+
+
+def test_length_groups_compute_the_fewest_tokens() -> None:
+    """Against every way of cutting the rows sorted by length (the optimum is one of them)."""
+    import itertools
+    import random
+
+    from trainer_backend.demo.sft import length_groups
+
+    def cost(groups: list[list[int]], lengths: list[int], shared: int) -> int:
+        return sum(shared + len(g) * (max(lengths[i] for i in g) - shared) for g in groups)
+
+    rng = random.Random(0)
+    for _ in range(300):
+        shared = rng.randint(1, 150)
+        lengths = [shared + rng.choice([rng.randint(1, 8), rng.randint(30, 45), rng.randint(100, 111)])
+                   for _ in range(rng.randint(1, 9))]
+        tokens, groups = length_groups(lengths, shared)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        assert tokens == cost(groups, lengths, shared)
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)
+        best = min(cost([order[a:b] for a, b in itertools.pairwise((0, *cuts, len(order)))], lengths, shared)
+                   for k in range(len(order)) for cuts in itertools.combinations(range(1, len(order)), k))
+        assert tokens == best
+    assert length_groups([130, 130, 130], 122) == (122 + 3 * 8, [[0, 1, 2]])  # equal costs: fewest groups
+    # the guessing game's four lengths, 8 rows each: one group each (4 prefixes; 1,010 tokens padded)
+    lengths = [128, 162, 197, 232] * 8
+    tokens, groups = length_groups(lengths, 122)
+    assert [sorted({lengths[i] for i in g}) for g in groups] == [[128], [162], [197], [232]]
+    assert tokens == 4 * 122 + 8 * (6 + 40 + 75 + 110) < 122 + 32 * 110
 
 
 @pytest.mark.parametrize(("jiffies", "idle", "own_s", "want"), [

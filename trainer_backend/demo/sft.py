@@ -20,24 +20,46 @@ log = logging.getLogger(__name__)
 
 
 def shared_prefix(batch: list[tuple[list[int], list[int]]]) -> int:
-    """How many leading tokens `backward_batch` decodes once for every row of `batch`: the rows'
-    common prefix (each row keeping a token of its own), where that and the rows' own tokens padded
-    to the longest compute fewer tokens than the rows one by one; else 0."""
-    from trainer_backend.engines.batching import common_prefix, run_tokens
+    """How many leading tokens `backward_batch` decodes once per group of `batch`'s rows: the rows'
+    common prefix (each row keeping a token of its own), where that, with the rows grouped by
+    length (`length_groups`), computes fewer tokens than the rows one by one; else 0."""
+    from trainer_backend.engines.batching import common_prefix
 
     lengths = [len(ids) for ids, _ in batch]
     if len(batch) < 2:
         return 0
     shared = min(min(common_prefix(batch[0][0], ids) for ids, _ in batch[1:]), min(lengths) - 1)
-    return shared if shared > 0 and run_tokens(shared, lengths) < sum(lengths) else 0
+    return shared if shared > 0 and length_groups(lengths, shared)[0] < sum(lengths) else 0
+
+
+def length_groups(lengths: list[int], shared: int) -> tuple[int, list[list[int]]]:
+    """Rows of `lengths` sharing their first `shared` tokens, in groups that each decode that prefix
+    once and their own tokens padded to the group's longest: the grouping (rows sorted by length,
+    cut where the padding saved pays for another decode of the prefix) that computes the fewest
+    tokens, and that count. The guessing game's episodes come in four lengths, one per guess made:
+    one group was padded to the longest; four compute half the tokens."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    ordered = [lengths[i] for i in order]
+    best, cut = [0] + [sum(lengths) * 2 + shared] * len(ordered), [0] * (len(ordered) + 1)
+    for end in range(1, len(ordered) + 1):
+        for start in range(end):  # the last group: ordered[start:end], padded to ordered[end - 1]
+            cost = best[start] + shared + (end - start) * (ordered[end - 1] - shared)
+            if cost < best[end]:  # strict: of equal costs, the fewest groups
+                best[end], cut[end] = cost, start
+    groups, end = [], len(ordered)
+    while end:
+        groups.append(order[cut[end]:end])
+        end = cut[end]
+    return best[-1], groups[::-1]
 
 
 def backward_batch(model: Any, batch: list[tuple[list[int], list[int]]], bf16: bool = False) -> float:
     """Backpropagate the batch's mean loss over its masked tokens (what a causal LM's `labels`
     loss gives for the batch padded) and return that loss, computing less than the padded batch:
     logits only where the loss reads them (12% of a BFCL batch's positions; the output layer is
-    49k wide), and the rows' common prefix decoded once where it pays (`shared_prefix`: the
-    arithmetic demonstrations share ~350 of their ~390 tokens, the system prompt and the tool),
+    49k wide), and the rows' common prefix decoded once per group of rows of similar length where
+    it pays (`shared_prefix`, `length_groups`: the arithmetic demonstrations share ~350 of their
+    ~390 tokens, the system prompt and the tool; the guessing game's episodes 122 of 128-233),
     else one row at a time, unpadded (a BFCL batch was 18% padding). docs/benchmarks.md, "The
     SmolLM2 warm start's step". `bf16`: the forward passes under CPU bf16 autocast."""
     import torch
@@ -57,8 +79,9 @@ def backward_batch(model: Any, batch: list[tuple[list[int], list[int]]], bf16: b
         ids, attn = _right_padded(batch)
         r = torch.tensor([row for row, t in enumerate(targets) for _ in t])
         c = torch.tensor([i for t in targets for i in t])
+        _, groups = length_groups([len(x) for x, _ in batch], shared)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            hidden = decode_shared_prefixes(decoder, ids, attn, [SharedPrefix(tuple(range(len(batch))), shared)])
+            hidden = decode_shared_prefixes(decoder, ids, attn, [SharedPrefix(tuple(g), shared) for g in groups])
             logits = head(hidden[r, c])
         loss = F.cross_entropy(logits.float(), ids[r, c + 1], reduction="sum") / total
         loss.backward()
