@@ -10,7 +10,6 @@ or the process dies before the store is back. A rollout's end waits up to its `f
 from __future__ import annotations
 
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -127,19 +126,21 @@ def test_sqlite_locked_by_a_long_writer(tmp_path: Path, llm_server: LLMTestServe
     client = wrap(openai.OpenAI(base_url=llm_server.base_url, api_key="x"), store=store)
     import sqlite3
 
-    locker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)  # the timer releases it
+    locker = sqlite3.connect(path, isolation_level=None)
     locker.execute("BEGIN EXCLUSIVE")
     release_at = time.monotonic() + 3.0
-    timer = threading.Timer(3.0, locker.rollback)
-    timer.start()
     try:
         with rollout("locked", store=store, flush_timeout=0.2) as r:
             slowest = _calls(client, CALLS)
         locked_pending = store.writer_stats().pending  # type: ignore[union-attr]
-        assert locked_pending >= CALLS
+        # released once the calls are made and counted (a 3 s timer could run out first on a loaded
+        # machine and let the writer flush some), and not before 3 s: past the busy timeout
+        time.sleep(max(0.0, release_at - time.monotonic()))
+        release_at = time.monotonic()
     finally:
-        timer.join()
+        locker.rollback()
         locker.close()
+    assert locked_pending >= CALLS
     assert store.flush(30)
     recovery = max(0.0, time.monotonic() - release_at)
     assert len(store.calls(r.id)) == CALLS and store.get_rollout(r.id).status == "succeeded"
