@@ -71,11 +71,13 @@ async def test_timeout_and_crash_end_rollouts(llm_server: LLMTestServer, sq: Tra
     base = A.make_tasks(llm_server, sq, 3)
     base[0]["sleep"] = 120.0
     base[1]["crash"] = True
-    # 3 s: the crash and the plain rollout end well inside it on a loaded machine (at 0.5 s the crash
-    # once ran out of time first); the slow one is cut at it, far from its 120 s
-    c = RolloutController(A.async_tool_agent, store=sq, concurrency=3, timeout_s=3.0)
+    # The crash and the plain rollout run under a timeout they never reach (at a shared 0.5 s the
+    # crash once ran out of time first); then the slow one on its own, cut at 3 s, far from its 120 s.
+    c = RolloutController(A.async_tool_agent, store=sq, concurrency=3, timeout_s=A.UNREACHED_TIMEOUT_S)
+    crash, ok = await c.arun(base[1:])
+    c.timeout_s = 3.0
     t0 = time.monotonic()
-    slow, crash, ok = await c.arun(base)
+    [slow] = await c.arun(base[:1])
     assert time.monotonic() - t0 < 60
     assert slow.status == "timeout" and "3s timeout" in slow.error and slow.attempts == 1
     assert crash.status == "failed" and crash.error == "ValueError: tool exploded" and crash.attempts == 1
@@ -210,9 +212,13 @@ def test_process_backend_killed_worker_and_hard_timeout(llm_server: LLMTestServe
     tasks[1]["sleep"] = 30  # SIGALRM timeout inside the worker
 
     k = A.Killer(pidfile)
-    with RolloutController(A.tool_agent, store=sq, backend="process", workers=3, concurrency=3, timeout_s=4,
-                           retry=RetryPolicy(backoff_s=0.01)) as c:
-        killed, slow, ok = c.run(tasks)
+    # The killed task's retry and the plain one run under a timeout they never reach; then the slow
+    # one on its own, cut by the worker's alarm at 4 s (a timeout shared by all three is a load flake).
+    with RolloutController(A.tool_agent, store=sq, backend="process", workers=3, concurrency=3,
+                           timeout_s=A.UNREACHED_TIMEOUT_S, retry=RetryPolicy(backoff_s=0.01)) as c:
+        killed, ok = c.run([tasks[0], tasks[2]])
+        c.timeout_s = 4
+        [slow] = c.run([tasks[1]])
     k.join()
     assert k.killed is not None, "no agent announced its pid: nothing was killed"
     first = sq.get_rollout(killed.rollout_ids[0])
