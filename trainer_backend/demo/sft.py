@@ -40,7 +40,9 @@ def length_groups(lengths: list[int], shared: int) -> tuple[int, list[list[int]]
     one group was padded to the longest; four compute half the tokens."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     ordered = [lengths[i] for i in order]
-    best, cut = [0] + [sum(lengths) * 2 + shared] * len(ordered), [0] * (len(ordered) + 1)
+    # best[k]: the fewest tokens for the k shortest rows; to start, more than any grouping computes
+    # (each row alone computes its own length: sum(lengths) in all)
+    best, cut = [0] + [sum(lengths) + 1] * len(ordered), [0] * (len(ordered) + 1)
     for end in range(1, len(ordered) + 1):
         for start in range(end):  # the last group: ordered[start:end], padded to ordered[end - 1]
             cost = best[start] + shared + (end - start) * (ordered[end - 1] - shared)
