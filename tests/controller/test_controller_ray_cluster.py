@@ -35,9 +35,12 @@ def ray_head() -> Iterator[str]:
     # `ray start` turns token authentication on by default; this test's head and drivers opt out
     # (docs/kubernetes.md: a token cluster).
     env = _ray_env()
+    # On loopback: with the machine's own address (here eth0's 192.0.2.2, the default route's) the
+    # drivers once failed, for 300 s, to reach the GCS there ("Failed to connect to GCS at address
+    # 192.0.2.2:...") in a quick-tier run that reached it on 127.0.0.1 to start.
     head = subprocess.Popen([RAY, "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
-                             "--include-dashboard=false", f"--temp-dir={tmp}", "--disable-usage-stats",
-                             f"--ray-client-server-port={free_port()}"],
+                             "--node-ip-address=127.0.0.1", "--include-dashboard=false", f"--temp-dir={tmp}",
+                             "--disable-usage-stats", f"--ray-client-server-port={free_port()}"],
                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     address = f"127.0.0.1:{port}"
