@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -65,17 +64,14 @@ def _controller(s: Setup, agent: str, root: str | None = None) -> RolloutControl
                                                                          "httpx.HTTPError")))
 
 
-def test_a_coding_agent_completes_its_rollouts_in_the_sandbox(setup: Setup) -> None:
+def test_a_coding_agent_completes_its_rollouts_in_the_sandbox(setup: Setup, tmp_path) -> None:
     tasks = [{"task_id": f"add-{i}", "prompt": f"add {i} and 2", "a": i, "b": 2} for i in range(4)]
-    # a root of its own (short: the doors are sockets): another worker's sandboxed test may be running
-    root = tempfile.mkdtemp(prefix="sbt", dir="/tmp")
-    try:
-        with _controller(setup, CODER, root) as c:
-            results = c.run(tasks, n=1)
-        leftovers = [os.path.join(root, p, "work") for p in os.listdir(root)]
-        assert not any(os.listdir(p) for p in leftovers if os.path.isdir(p)), leftovers
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    root = str(tmp_path / "sandboxes")  # its own: another worker's sandboxed test may be running
+    with _controller(setup, CODER, root) as c:
+        results = c.run(tasks, n=1)
+        work = [os.path.join(root, p, "work") for p in os.listdir(root)]
+        assert work and not any(os.listdir(w) for w in work), work  # each workspace removed at its rollout's end
+    assert os.listdir(root) == []  # and the backend's own directory at close
     assert [r.status for r in results] == ["succeeded"] * 4, [r.error for r in results]
     for r in results:
         calls = setup.store.calls(r.rollout_id)
