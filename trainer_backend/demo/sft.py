@@ -104,7 +104,7 @@ def backward_batch(model: Any, batch: list[tuple[list[int], list[int]]], bf16: b
 
 def padded_batch_loss(model: Any, batch: list[tuple[list[int], list[int]]], pad: int = 0) -> Any:
     """The batch right-padded, with the causal LM's own `labels` loss: what `backward_batch`
-    backpropagates, at the cost it had before (the reference of tests/demo/test_smol_task.py and
+    backpropagates, at the cost it had before (the reference of tests/demo/test_sft.py and
     bench/bench_warm_start.py)."""
     ids, attn = _right_padded(batch, pad)
     labels = _right_padded([([t if m else -100 for t, m in zip(seq, mask, strict=True)], mask)

@@ -187,7 +187,7 @@ def _build(out: Path, cfg: WarmStartConfig, progress: bool, save_at: Sequence[in
     for step in range(cfg.sft_steps):
         batch = [examples[rng.randrange(len(examples))] for _ in range(cfg.batch_size)]
         opt.zero_grad()
-        # the episodes share their ~120-token system prompt and tools: decoded once per batch
+        # the episodes share their 122-token system prompt and tools: decoded once per group of one length
         loss = backward_batch(model, batch, bf16=cfg.precision == "bf16")
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
