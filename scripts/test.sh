@@ -39,8 +39,9 @@ fi
 export LIGHTNING_TEST_INSTALL_VLLM=1 LIGHTNING_TEST_REQUIRE_ALL=1
 status=0
 # Two pytest-xdist workers. `--dist loadgroup` keeps the tests that share a session server on one
-# worker, and the demos one after another on one; without xdist's reordering of groups by size the
-# demos' group, first in the collection, starts at once (tests/workers.py).
+# worker, and the demos two by two one after another; without xdist's reordering of groups by size
+# the SmolLM2 demos' group, first in the collection, starts at once, and the tiny model's, last,
+# goes to the worker that runs out of other work first (tests/workers.py).
 # The quick tier takes three: its tests mostly wait on servers and subprocesses, so a third worker
 # fills the cores' idle time (docs/benchmarks.md, "The quick tier"). LIGHTNING_TEST_WORKERS=0 runs serially.
 default_workers=2

@@ -181,3 +181,32 @@ def test_the_quick_tier_leaves_out_vllm_demos_and_browsers() -> None:
     # vllm added from the fixture (this test has no marker of its own), browser from the test's own
     assert vllm_test not in quick and browser_test not in quick
     assert "tests/store/test_store.py" in {line.partition("::")[0] for line in quick}
+
+
+class _Item:
+    """What the ordering hook reads of a collected test: its id, fixtures and markers."""
+
+    def __init__(self, nodeid: str) -> None:
+        self.nodeid, self.fixturenames, self.markers = nodeid, (), []
+
+    def add_marker(self, marker) -> None:
+        self.markers.append(marker.mark if hasattr(marker, "mark") else marker)
+
+
+def test_the_smollm2_demos_open_the_collection_and_the_tiny_models_close_it() -> None:
+    from tests.workers import DEMOS, SMOL_DEMOS, TINY_DEMOS, pytest_collection_modifyitems
+
+    assert set(SMOL_DEMOS) | set(TINY_DEMOS) == set(DEMOS) and not set(SMOL_DEMOS) & set(TINY_DEMOS)
+    others = ["tests/store/test_store.py::test_a", "tests/controller/test_controller_ray.py::test_b",
+              "tests/test_cli.py::test_c"]
+    items = [_Item(n) for n in (others[0], DEMOS[3], others[1], DEMOS[0], DEMOS[2], others[2], DEMOS[1])]
+    pytest_collection_modifyitems(items)  # type: ignore[arg-type]
+    assert [i.nodeid for i in items] == [*SMOL_DEMOS, *others, *TINY_DEMOS]
+
+    def groups(item: _Item) -> set[str]:
+        return {m.kwargs.get("name", m.args[0] if m.args else "") for m in item.markers if m.name == "xdist_group"}
+
+    by_id = {i.nodeid: i for i in items}
+    assert [groups(by_id[n]) for n in DEMOS] == [{"demo"}, {"demo"}, {"demo-tiny"}, {"demo-tiny"}]
+    assert all("demo" in {m.name for m in by_id[n].markers} for n in DEMOS)
+    assert groups(by_id[others[1]]) == {"ray"} and groups(by_id[others[0]]) == set()

@@ -11,11 +11,12 @@ scripts/test.sh runs `-n 2 --dist loadgroup --no-loadscope-reorder`; each worker
 session of its own, so a session fixture (a server) starts once per worker that runs a test
 asking for it. Kept on one worker, each group in GROUPS: the tests that share the tiny model's vLLM
 server (it starts once), those of Ray's local runtime (two workers would start it on one port),
-and the demos, one after another (each keeps both cores busy with its own vLLM server and
-trainer); and the tests of a module that share a module-scoped fixture (group_of). The demos
-come first in the collection, and without xdist's reordering of groups by size their group is the
-first work unit handed out: it is the suite's longest, so it starts at once and the other worker
-takes the rest.
+the SmolLM2 demos and the tiny model's demos, each pair one after another (each demo keeps both
+cores busy with its own vLLM server and trainer); and the tests of a module that share a
+module-scoped fixture (group_of). The SmolLM2 demos come first in the collection, and without
+xdist's reordering of groups by size their group is the first work unit handed out: it is the
+suite's longest, so it starts at once and the other worker takes the rest. The tiny model's demos
+come last, so the worker that runs out of other work first takes them.
 
 `--dist loadgroup` groups by a suffix xdist appends to each grouped test's id (`NODEID@group`).
 With pytest 9.2 and pytest-xdist 3.8 that suffix is lost (xdist writes `item._nodeid`, pytest 9.2
@@ -31,13 +32,18 @@ from collections.abc import Callable
 
 import pytest
 
-DEMOS = ("tests/demo/test_smol_demo.py::test_short_smol_demo_learns",
-         "tests/demo/test_smol_bfcl.py::test_short_bfcl_demo_learns",
+DEMOS = ("tests/demo/test_smol_bfcl.py::test_short_bfcl_demo_learns",
+         "tests/demo/test_smol_demo.py::test_short_smol_demo_learns",
          "tests/demo/test_team_demo.py::test_short_team_demo_trains_each_role_on_its_own_adapter",
          "tests/demo/test_demo.py::test_short_demo_learns")  # longest first
+# The SmolLM2 demos open the collection, one group; the tiny model's close it, another: the worker
+# that runs out of other tests first takes them (on 2 AVX2 cores the SmolLM2 lane alone is ~46 min,
+# and the other worker ran out ~19 min before the lane's end; docs/benchmarks.md).
+SMOL_DEMOS, TINY_DEMOS = DEMOS[:2], DEMOS[2:]
 QUICK = "not vllm and not demo and not browser"
 GROUPS: tuple[tuple[str, Callable[[pytest.Item], bool]], ...] = (
-    ("demo", lambda item: item.get_closest_marker("demo") is not None),
+    ("demo", lambda item: item.nodeid in SMOL_DEMOS),
+    ("demo-tiny", lambda item: item.nodeid in TINY_DEMOS),
     ("vllm", lambda item: "vllm_server" in getattr(item, "fixturenames", ())),
     ("ray", lambda item: item.nodeid.startswith("tests/controller/test_controller_ray")),
 )
@@ -74,8 +80,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.vllm)
         if (group := group_of(item)) is not None:
             item.add_marker(pytest.mark.xdist_group(group))
-    rank = {nodeid: i for i, nodeid in enumerate(DEMOS)}
-    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))  # stable: the rest keep their order
+    rank = {**{nodeid: i - len(SMOL_DEMOS) for i, nodeid in enumerate(SMOL_DEMOS)},
+            **{nodeid: i + 1 for i, nodeid in enumerate(TINY_DEMOS)}}
+    items.sort(key=lambda item: rank.get(item.nodeid, 0))  # stable: the rest keep their order, between
 
 
 def ungrouped(items: list[pytest.Item]) -> list[str]:
