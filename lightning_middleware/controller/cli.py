@@ -34,7 +34,8 @@ def add_cli(sub: Any) -> None:
         q.add_argument("--backend", default="auto", choices=["auto", "asyncio", "thread", "process", "ray", "k8s",
                                                                   "sandbox"])
         q.add_argument("--concurrency", type=int, default=8)
-        q.add_argument("--timeout", type=float, default=None, help="per-rollout timeout, seconds")
+        q.add_argument("--timeout", type=float, default=None,
+                       help="per-rollout timeout, seconds (a task's own timeout_s wins)")
         q.add_argument("--retries", type=int, default=2, help="extra attempts after an infrastructure error")
         q.add_argument("--workers", type=int, default=None, help="worker processes / Ray actors")
         q.add_argument("--ray-address", default=None,

@@ -202,7 +202,8 @@ class Evaluator:
             self.controller = RolloutController(runner, store=store, **(controller_kwargs or {}))
             self._owns = True
         self.store = get_store(store) if store is not None else self.controller.store
-        self.tasks = [t for _, t in load_tasks(tasks, task_id_key=self.controller.task_id_key)]
+        self.tasks = [t for _, t in load_tasks(tasks, task_id_key=self.controller.task_id_key,
+                                                 timeout_key=self.controller.timeout_key)]
         self.n = n
         self.every_n_steps = every_n_steps
         self.name = name

@@ -39,7 +39,7 @@ from lightning_middleware.controller.backends import Backend, PodTemplate, make_
 from lightning_middleware.controller.execution import AgentFn, failure, no_running_loop, resolve_agent, worker_name
 from lightning_middleware.controller.jobs import ControllerStats, RetryPolicy, RolloutJob, RolloutOutcome, RolloutResult
 from lightning_middleware.controller.settling import cancel_and_wait, finish_despite_cancellation, gather_settled
-from lightning_middleware.controller.tasks import TaskSource, load_tasks
+from lightning_middleware.controller.tasks import TaskSource, load_tasks, task_timeout
 from lightning_middleware.records import Mode, Rollout, RolloutStatus
 from lightning_middleware.rewards import RewardConfig, Scorer, load_config
 from lightning_middleware.store import TraceStore, get_store
@@ -65,12 +65,13 @@ class RolloutController:
                  retry: RetryPolicy | None = None, policy_version: int | Callable[[], int | None] | None = None,
                  policy_version_ttl_s: float = 1.0, lease_s: float = 30.0, reap: bool = True,
                  metadata: dict[str, Any] | None = None, task_id_key: str = "task_id",
-                 workers: int | None = None, ray_address: str | None = None,
+                 timeout_key: str | None = "timeout_s", workers: int | None = None, ray_address: str | None = None,
                  k8s_template: PodTemplate | None = None,
                  rewards: RewardConfig | str | None = None) -> None:
         """`rewards`: a reward configuration (or its file) each rollout is scored under as it ends
         (docs/rewards.md); `RolloutResult.reward` is then the combined final reward. `k8s_template`:
-        the pod template of backend="k8s" (docs/kubernetes.md)."""
+        the pod template of backend="k8s" (docs/kubernetes.md). `timeout_s`: each rollout's timeout, unless
+        its task names its own under `timeout_key` (None: tasks cannot)."""
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         self.agent_ref = agent
@@ -87,6 +88,7 @@ class RolloutController:
         self.reap = reap
         self.metadata = dict(metadata or {})
         self.task_id_key = task_id_key
+        self.timeout_key = timeout_key
         # A file by its absolute path (a worker may run elsewhere); checked here, not in every job.
         self.rewards = rewards if rewards is None or isinstance(rewards, RewardConfig) else os.path.abspath(rewards)
         if self.rewards is not None:
@@ -301,7 +303,8 @@ class RolloutController:
                 job = RolloutJob(rollout_id=uuid.uuid4().hex, task_id=task_id, task=task, sample_index=index,
                                  attempt=attempt, mode=mode, policy_version=pv, metadata=meta,
                                  store_url=self.store.url.render_as_string(hide_password=False),
-                                 timeout_s=self.timeout_s, created_at=time.time(), rewards=self.rewards)
+                                 timeout_s=task_timeout(task, self.timeout_key, self.timeout_s),
+                                 created_at=time.time(), rewards=self.rewards)
                 ids.append(job.rollout_id)
                 outcome = await self._run_one(job)
             with self._lock:
@@ -333,7 +336,7 @@ class RolloutController:
         """Run n samples of every task (each task one group); results in task, sample order."""
         if n < 1:
             raise ValueError("n must be >= 1")
-        pairs = load_tasks(tasks, task_id_key=self.task_id_key)
+        pairs = load_tasks(tasks, task_id_key=self.task_id_key, timeout_key=self.timeout_key)
         await self._enter_session()
         try:
             groups = await gather_settled(self._group(tid, task, n, mode, metadata) for tid, task in pairs)
@@ -375,7 +378,7 @@ class RolloutController:
         out its next turn. 1.0 drops such a task until it is drawn in an epoch where every task
         would sit out (which then runs them all); 0 (the default) samples every task every epoch.
         """
-        pairs = load_tasks(tasks, task_id_key=self.task_id_key)
+        pairs = load_tasks(tasks, task_id_key=self.task_id_key, timeout_key=self.timeout_key)
         if not pairs:
             raise ValueError("no tasks")
         if not 0.0 <= sit_out_uniform <= 1.0:

@@ -20,10 +20,13 @@ class TaskFileError(UsageError, ValueError):
     """A task set that can't be read: a missing file, a line that is not a JSON object, a duplicate id."""
 
 
-def load_tasks(tasks: TaskSource, *, task_id_key: str = "task_id") -> list[tuple[str, dict[str, Any]]]:
+def load_tasks(tasks: TaskSource, *, task_id_key: str = "task_id",
+               timeout_key: str | None = None) -> list[tuple[str, dict[str, Any]]]:
     """(task_id, task) pairs from a JSONL path, a list of dicts, or a `datasets.Dataset`.
 
-    The task id is `task[task_id_key]`, else `task["id"]`, else "task-<index>".
+    The task id is `task[task_id_key]`, else `task["id"]`, else "task-<index>". `timeout_key`: a
+    task's own rollout timeout, checked here (a positive number of seconds) so that a bad one stops
+    the run before any rollout starts.
     """
     if benchmarks.is_address(tasks):
         tasks = benchmarks.tasks_from(str(tasks))
@@ -43,8 +46,20 @@ def load_tasks(tasks: TaskSource, *, task_id_key: str = "task_id") -> list[tuple
         if tid in seen:
             raise TaskFileError(f"duplicate task id {tid!r}: task ids name GRPO groups and must be unique")
         seen.add(tid)
+        if timeout_key is not None and row.get(timeout_key) is not None:
+            value = row[timeout_key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise TaskFileError(f"task {tid!r}: {timeout_key} must be a positive number of seconds, "
+                                    f"got {value!r:.40}")
         out.append((tid, row))
     return out
+
+
+def task_timeout(task: dict[str, Any], timeout_key: str | None, default: float | None) -> float | None:
+    """The rollout timeout of `task`: its own `timeout_key` value where it has one (long tasks
+    beside short ones in one run), else the controller's `default`."""
+    own = task.get(timeout_key) if timeout_key is not None else None
+    return default if own is None else float(own)
 
 
 def _read_jsonl(path: str | os.PathLike[str]) -> list[Any]:

@@ -21,6 +21,7 @@ from lightning_middleware.controller import (
     reap_stale,
     reward_smoothness,
 )
+from lightning_middleware.controller.tasks import TaskFileError, task_timeout
 from lightning_middleware.store import get_store
 from lightning_middleware.testing import LLMTestServer
 from tests.controller import controller_agents as A
@@ -65,19 +66,40 @@ def test_load_tasks_sources(tmp_path: Path) -> None:
     assert [t for t, _ in load_tasks([{"q": 1}, {"q": 2}])] == ["task-0", "task-1"]
     with pytest.raises(ValueError, match="duplicate"):
         load_tasks([{"id": "x"}, {"id": "x"}])
+    # a task's own timeout: checked where the controller reads one, ignored elsewhere
+    assert load_tasks([{"id": "a", "timeout_s": 2}, {"id": "b", "timeout_s": None}], timeout_key="timeout_s")
+    for bad in ("soon", 0, -1.5, True, float("nan"), float("inf"), [3]):
+        with pytest.raises(TaskFileError, match=r"^task 'b': timeout_s must be a positive number of seconds, got "):
+            load_tasks([{"id": "a", "timeout_s": 2.5}, {"id": "b", "timeout_s": bad}], timeout_key="timeout_s")
+    assert load_tasks([{"id": "b", "timeout_s": "soon"}]) == [("b", {"id": "b", "timeout_s": "soon"})]
+    assert task_timeout({"timeout_s": 2}, "timeout_s", 9.0) == 2.0 and task_timeout({}, "timeout_s", 9.0) == 9.0
+    assert task_timeout({"timeout_s": 2}, None, None) is None
+
+
+def test_a_bad_task_timeout_stops_the_run_before_any_rollout(llm_server: LLMTestServer, sq: TraceStore) -> None:
+    tasks = A.make_tasks(llm_server, sq, 3)
+    tasks[2]["timeout_s"] = "30 s"
+    with RolloutController(A.tool_agent, store=sq, concurrency=3, timeout_s=A.UNREACHED_TIMEOUT_S) as c:
+        with pytest.raises(TaskFileError, match="timeout_s must be a positive number"):
+            c.run(tasks)
+        assert sq.query_rollouts() == []
+        [ok] = c.run(tasks[:1])  # the controller is still usable
+    assert ok.status == "succeeded"
+    # a controller whose tasks may not set their timeout leaves the key to the agent
+    with RolloutController(A.tool_agent, store=sq, concurrency=3, timeout_s=A.UNREACHED_TIMEOUT_S,
+                           timeout_key=None) as c:
+        assert all(r.status == "succeeded" for r in c.run(tasks[2:]))
 
 
 async def test_timeout_and_crash_end_rollouts(llm_server: LLMTestServer, sq: TraceStore) -> None:
     base = A.make_tasks(llm_server, sq, 3)
-    base[0]["sleep"] = 120.0
+    base[0].update(sleep=120.0, timeout_s=3.0)  # its own timeout, far from its 120 s of sleep
     base[1]["crash"] = True
-    # The crash and the plain rollout run under a timeout they never reach (at a shared 0.5 s the
-    # crash once ran out of time first); then the slow one on its own, cut at 3 s, far from its 120 s.
+    # The crash and the plain rollout, beside it, run under a timeout they never reach (at a shared
+    # 0.5 s the crash once ran out of time first).
     c = RolloutController(A.async_tool_agent, store=sq, concurrency=3, timeout_s=A.UNREACHED_TIMEOUT_S)
-    crash, ok = await c.arun(base[1:])
-    c.timeout_s = 3.0
     t0 = time.monotonic()
-    [slow] = await c.arun(base[:1])
+    slow, crash, ok = await c.arun(base)
     assert time.monotonic() - t0 < 60
     assert slow.status == "timeout" and "3s timeout" in slow.error and slow.attempts == 1
     assert crash.status == "failed" and crash.error == "ValueError: tool exploded" and crash.attempts == 1
@@ -212,13 +234,12 @@ def test_process_backend_killed_worker_and_hard_timeout(llm_server: LLMTestServe
     tasks[1]["sleep"] = 30  # SIGALRM timeout inside the worker
 
     k = A.Killer(pidfile)
-    # The killed task's retry and the plain one run under a timeout they never reach; then the slow
-    # one on its own, cut by the worker's alarm at 4 s (a timeout shared by all three is a load flake).
+    tasks[1]["timeout_s"] = 4  # its own: the worker's alarm cuts it at 4 s
+    # The killed task's retry and the plain one run under a timeout they never reach (a timeout
+    # shared by all three is a load flake).
     with RolloutController(A.tool_agent, store=sq, backend="process", workers=3, concurrency=3,
                            timeout_s=A.UNREACHED_TIMEOUT_S, retry=RetryPolicy(backoff_s=0.01)) as c:
-        killed, ok = c.run([tasks[0], tasks[2]])
-        c.timeout_s = 4
-        [slow] = c.run([tasks[1]])
+        killed, slow, ok = c.run(tasks)
     k.join()
     assert k.killed is not None, "no agent announced its pid: nothing was killed"
     first = sq.get_rollout(killed.rollout_ids[0])

@@ -23,7 +23,9 @@ from lightning_middleware.controller.backends.k8s_client import api_client, reap
 from lightning_middleware.controller.backends.k8s_template import (
     BATCH_LABEL,
     ROLLOUTS_ANNOTATION,
+    PodTemplate,
     batch_manifest,
+    jobs_deadline_s,
     run_selector,
 )
 from lightning_middleware.controller.jobs import RolloutJob, RolloutOutcome
@@ -97,12 +99,14 @@ def test_a_rollout_that_fails_or_times_out_leaves_its_batch_mates_alone(cluster:
     timeout = 8.0 * slowness
     tasks = A.make_tasks(llm_server, sq, 4)
     tasks[1]["crash"] = True  # the agent raised: failed, not retried
-    tasks[2]["sleep"] = 6 * timeout  # the worker's alarm ends it at its own timeout; the next one still runs
+    # the worker's alarm ends it at its own timeout and the next one still runs; its batch-mates run
+    # under a timeout they never reach (one shared with the sleeper would be a load flake)
+    tasks[2].update(sleep=6 * timeout, timeout_s=timeout)
     exits = [{**t, "task_id": f"x{i}"} for i, t in enumerate(A.make_tasks(llm_server, sq, 3))]
     exits[1]["exit_code"] = 3  # the agent's process dies mid-batch
     backend = _backend(api, 4, batch_linger_s=0.5)
-    with RolloutController(AGENT, store=sq, backend=backend, concurrency=4, timeout_s=timeout, policy_version=0,
-                           retry=RetryPolicy(max_attempts=2, backoff_s=0.05)) as c:
+    with RolloutController(AGENT, store=sq, backend=backend, concurrency=4, timeout_s=A.UNREACHED_TIMEOUT_S,
+                           policy_version=0, retry=RetryPolicy(max_attempts=2, backoff_s=0.05)) as c:
         first = {r.task_id: r for r in c.run(tasks)}
         assert backend.jobs_created == 1
         second = {r.rollout_ids[0]: r for r in c.run(exits)}
@@ -236,6 +240,20 @@ def test_the_termination_message_fits_and_reads_back() -> None:
     assert parse_batch_message("not json", None) == ({}, [])
 
 
+def test_a_batchs_deadline_is_its_rounds_of_its_longest_own_timeout() -> None:
+    template = PodTemplate(image="img", startup_grace_s=30.0)
+
+    def jobs(*timeouts: float | None) -> list[RolloutJob]:
+        return [RolloutJob(rollout_id=f"r{i}", task_id="t", task={}, timeout_s=t) for i, t in enumerate(timeouts)]
+
+    assert jobs_deadline_s(template, jobs(10.0)) == 40
+    assert jobs_deadline_s(template, jobs(10.0, 2.5, 4.0)) == 60  # three rounds, one at a time
+    assert jobs_deadline_s(template, jobs(2.5, 10.0, 4.0), concurrency=2) == 50
+    assert jobs_deadline_s(template, jobs(10.0, None)) is None  # one rollout with no timeout: no deadline
+    assert batch_manifest(template, jobs(3.0, 12.0), run_id="run1", batch_id="b1", agent_ref="m:f",
+                          concurrency=2)["spec"]["activeDeadlineSeconds"] == 54
+
+
 def test_reap_keeps_a_batch_job_while_any_of_its_rollouts_heartbeats(cluster: Cluster, sq: TraceStore) -> None:
     api, _ = cluster
     from kubernetes.client import BatchV1Api
@@ -286,11 +304,12 @@ def test_a_pod_runs_its_batch_concurrently_with_pod_concurrency(cluster: Cluster
     api, kubelet = cluster
     timeout = 8.0 * slowness
     tasks = A.make_tasks(llm_server, sq, 4, sleep=0.5)
-    tasks[1]["sleep"] = 6 * timeout  # cancelled at its own timeout; its batch-mates run beside it
-    tasks[2]["crash"] = True
+    tasks[1].update(sleep=6 * timeout, timeout_s=timeout)  # cancelled at its own timeout; its batch-mates run
+    tasks[2]["crash"] = True  # beside it, under a timeout they never reach
     backend = _backend(api, 4, pod_concurrency=4, batch_linger_s=0.5)
     with RolloutController("tests.controller.controller_agents:async_tool_agent", store=sq, backend=backend,
-                           concurrency=4, timeout_s=timeout, policy_version=0, retry=RetryPolicy(max_attempts=1)) as c:
+                           concurrency=4, timeout_s=A.UNREACHED_TIMEOUT_S, policy_version=0,
+                           retry=RetryPolicy(max_attempts=1)) as c:
         results = {r.task_id: r for r in c.run(tasks)}
         (job,) = api.objects("jobs", run_selector(backend.run_id))
     assert results["t0"].status == results["t3"].status == "succeeded"
@@ -298,7 +317,8 @@ def test_a_pod_runs_its_batch_concurrently_with_pod_concurrency(cluster: Cluster
     assert results["t2"].status == "failed" and results["t2"].error == "ValueError: tool exploded"
     assert A.max_overlap(sq.query_rollouts()) == 4 and kubelet.pods_started == 1  # all four at once, one pod
     assert _env(job)["LIGHTNING_ROLLOUT_CONCURRENCY"] == "4"
-    assert job["spec"]["activeDeadlineSeconds"] == math.ceil(2 * timeout + 30)  # the last starts within one timeout
+    # the last starts within one timeout, the longest of the batch's own
+    assert job["spec"]["activeDeadlineSeconds"] == math.ceil(2 * A.UNREACHED_TIMEOUT_S + 30)
 
 
 def test_a_pod_killed_with_several_rollouts_running_fails_those_only(cluster: Cluster, llm_server: LLMTestServer,

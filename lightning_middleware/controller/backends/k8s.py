@@ -38,12 +38,11 @@ from lightning_middleware.controller.backends.k8s_template import (
     BATCH_LABEL,
     ROLLOUT_LABEL,
     PodTemplate,
-    active_deadline_s,
     batch_job_name,
     batch_manifest,
-    batch_rounds,
     job_manifest,
     job_name,
+    jobs_deadline_s,
     jobs_payload,
     network_policy,
     run_selector,
@@ -321,7 +320,7 @@ class KubernetesBackend:
 
     def _track(self, jobs: list[RolloutJob]) -> _Tracked:
         loop = asyncio.get_running_loop()
-        deadline = active_deadline_s(self.template, jobs[0].timeout_s, batch_rounds(len(jobs), self.pod_concurrency))
+        deadline = jobs_deadline_s(self.template, jobs, self.pod_concurrency)
         if len(jobs) == 1:
             rid = jobs[0].rollout_id
             tracked = _Tracked(jobs, ROLLOUT_LABEL, rid, job_name(self.template, rid), deadline, loop, asyncio.Event())

@@ -133,6 +133,15 @@ def active_deadline_s(template: PodTemplate, timeout_s: float | None, count: int
     return None if timeout_s is None else max(1, math.ceil(count * timeout_s + template.startup_grace_s))
 
 
+def jobs_deadline_s(template: PodTemplate, jobs: list[RolloutJob], concurrency: int = 1) -> int | None:
+    """The deadline of the Job that runs `jobs`: none if one of them has no timeout; else its batch's
+    rounds of the longest of their timeouts (each task may have its own) plus the start-up grace."""
+    timeouts = [j.timeout_s for j in jobs]
+    if any(t is None for t in timeouts):
+        return None
+    return active_deadline_s(template, max(t or 0.0 for t in timeouts), batch_rounds(len(jobs), concurrency))
+
+
 def batch_rounds(count: int, concurrency: int) -> int:
     """Timeouts a batch of `count` rollouts can take, `concurrency` at a time, each starting as a slot
     frees: the last one starts after at most (count - 1) / concurrency timeouts and runs one more."""
@@ -243,9 +252,7 @@ def _manifest(template: PodTemplate, jobs: list[RolloutJob], meta: dict[str, Any
         _sandboxed(pod, container, template.sandbox)
     spec: dict[str, Any] = {"backoffLimit": 0, "ttlSecondsAfterFinished": template.ttl_seconds_after_finished,
                             "template": {"metadata": {"labels": labels}, "spec": pod}}
-    timeouts = [j.timeout_s for j in jobs]
-    deadline = None if None in timeouts else active_deadline_s(template, max(t or 0.0 for t in timeouts),
-                                                               batch_rounds(len(jobs), concurrency))
+    deadline = jobs_deadline_s(template, jobs, concurrency)
     if deadline is not None:
         spec["activeDeadlineSeconds"] = deadline
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": spec}
