@@ -81,9 +81,12 @@ def test_failures_are_classified_and_infrastructure_ones_retried(cluster: Cluste
     tasks[5]["sleep"] = 6 * timeout  # the worker's own alarm: timeout, with the spans so far
     tasks[6]["fault"] = f"slow_start:{1.5 * (timeout + grace):g}"  # never started in time: the Job's deadline
     tasks[7]["crash"] = True  # the agent raised: failed, not retried
+    for t in tasks[5:7]:  # those two under the short timeout; the rest under one they never reach
+        t["timeout_s"] = timeout
     backend = _backend(api, template={"startup_grace_s": grace})
     with RolloutController("tests.controller.controller_agents:tool_agent", store=sq, backend=backend,
-                           concurrency=8, timeout_s=timeout, retry=RetryPolicy(max_attempts=2, backoff_s=0.05)) as c:
+                           concurrency=8, timeout_s=A.UNREACHED_TIMEOUT_S,
+                           retry=RetryPolicy(max_attempts=2, backoff_s=0.05)) as c:
         results = {r.task_id: r for r in c.run(tasks)}
     for i, fault in enumerate(faults):
         res = results[f"t{i}"]
