@@ -7,6 +7,7 @@ loads the plugin when present). Needs the vLLM env, see tests/fixtures_vllm.py.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from functools import lru_cache
@@ -368,6 +369,30 @@ def test_launcher_reports_crash_with_log_tail(vllm_python: Path, tmp_path: Path)
     assert "log tail" in str(err.value) and str(bogus) in str(err.value)
     assert time.monotonic() - t0 < 240
     assert not server.is_running()
+
+
+def test_all_cores_binds_the_models_threads_to_every_core_this_process_may_use(tmp_path: Path) -> None:
+    from trainer_backend.serving.server import CPU_BIND
+
+    cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    assert VLLMServer(tmp_path, device="cpu", all_cores=True).environment(tmp_path)[CPU_BIND] == cores
+    mine = VLLMServer(tmp_path, device="cpu", all_cores=True, env={CPU_BIND: "0"})
+    assert mine.environment(tmp_path)[CPU_BIND] == "0"  # the caller's own binding wins
+    assert VLLMServer(tmp_path, device="cpu").environment(tmp_path).get(CPU_BIND) == os.environ.get(CPU_BIND)
+    gone = VLLMServer(tmp_path, device="cpu", port=free_port())
+    with pytest.raises(VLLMServerError, match="^could not set the server's threads to 2: "):
+        gone.set_threads(2, timeout=5)
+
+
+def test_the_models_threads_are_set_while_it_serves(vllm_server: VLLMServer) -> None:
+    own = vllm_server.set_threads(0)  # vLLM's own count (one on 2 cores): asked, not changed
+    assert own >= 1
+    try:
+        assert vllm_server.set_threads(own + 1) == own + 1
+        assert vllm_server.set_threads(0) == own + 1
+        assert greedy(vllm_server, SHORT)  # still answers
+    finally:
+        assert vllm_server.set_threads(own) == own  # the other tests see the server as it started
 
 
 _ORPHAN_LAUNCHER = """

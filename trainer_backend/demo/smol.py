@@ -204,7 +204,7 @@ class SmolDemoRun(DemoRun):
         return VLLMServer(self.model_dir, dtype="float32", served_model_name=BASE_NAME if self.lora_rank else POLICY,
                           max_model_len=self.max_model_len, log_path=self.out / "vllm.log",
                           extra_args=["--max-num-seqs", "64"], tool_parser=TOOL_PARSER,
-                          max_lora_rank=self.lora_rank or None, max_loras=1)
+                          max_lora_rank=self.lora_rank or None, max_loras=1, all_cores=True)
 
     def _demonstrations(self) -> Callable[[int, int], list[Demonstration]]:
         return arith_demonstrations

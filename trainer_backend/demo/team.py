@@ -170,7 +170,7 @@ class TeamDemoRun(DemoRun):
         assert self.model_dir is not None
         return VLLMServer(self.model_dir, dtype="float32", served_model_name=SERVED_NAME, max_model_len=1024,
                           log_path=self.out / "vllm.log", extra_args=["--max-num-seqs", "256"],
-                          max_lora_rank=LORA_RANK, max_loras=len(ROLES))
+                          max_lora_rank=LORA_RANK, max_loras=len(ROLES), all_cores=True)
 
     def _agent(self, base_url: str, store: TraceStore) -> Any:
         return make_team_agent(base_url, store, policies_of(self.shared))

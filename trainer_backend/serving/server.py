@@ -29,6 +29,8 @@ from trainer_backend.serving.env import (
 )
 
 log = logging.getLogger(__name__)
+# vLLM's CPU backend binds its model threads to the cores this names ("auto": all but one per rank)
+CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -86,11 +88,16 @@ class VLLMServer:
         max_lora_rank: int | None = None,
         max_loras: int = 4,
         tool_parser: str = "hermes",
+        all_cores: bool = False,
     ) -> None:
         """`max_lora_rank`: serve LoRA adapters up to this rank, loaded at run time by name
         (`WeightPublisher(adapter_name=...)`), at most `max_loras` of them in one batch.
         `tool_parser`: vLLM's `--tool-call-parser` for the model's tool-call format (hermes for
-        `<tool_call>{...}</tool_call>`; xlam for SmolLM2's `<tool_call>[{...}]</tool_call>` lists)."""
+        `<tool_call>{...}</tool_call>`; xlam for SmolLM2's `<tool_call>[{...}]</tool_call>` lists).
+        `all_cores` (CPU): one model thread on every core this process may use; by default vLLM keeps
+        one core for its scheduler, which on 2 idle cores leaves the model one thread (1.56x slower
+        evaluations on 2 AVX2 cores; beside a busy process, two were slower: docs/benchmarks.md).
+        `set_threads` then changes the count while it serves."""
         self.model_dir = Path(model_dir).expanduser().resolve()
         self.host = host
         self.port = port if port is not None else free_port(host)
@@ -109,6 +116,7 @@ class VLLMServer:
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras
         self.tool_parser = tool_parser
+        self.all_cores = all_cores
         self._proc: subprocess.Popen[bytes] | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -154,6 +162,16 @@ class VLLMServer:
             cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
         return cmd + list(self.extra_args)
 
+    def environment(self, pythonpath: Path) -> dict[str, str]:
+        """The server process's environment (`env` given to the constructor wins)."""
+        env = server_env(self.device, self.kv_cache_gib, pythonpath)
+        if self.max_lora_rank:  # /v1/load_lora_adapter: the trainer hot-loads each new adapter version
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        if self.all_cores and self.device == "cpu":
+            env[CPU_BIND] = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+        env.update(self.extra_env)
+        return env
+
     def start(self) -> VLLMServer:
         """Start the process and wait until ``/health`` answers 200."""
         if self._proc is not None:
@@ -166,10 +184,7 @@ class VLLMServer:
         _check_port_free(self.host, self.port)
         self._tmp = tempfile.TemporaryDirectory(prefix="lightning-vllm-")
         pypath = make_server_pythonpath(Path(self._tmp.name) / "path")
-        env = server_env(self.device, self.kv_cache_gib, pypath)
-        if self.max_lora_rank:  # /v1/load_lora_adapter: the trainer hot-loads each new adapter version
-            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        env.update(self.extra_env)
+        env = self.environment(pypath)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting vLLM on %s for %s (log %s)", self.url, self.model_dir, self.log_path)
         t0 = time.monotonic()
@@ -213,6 +228,22 @@ class VLLMServer:
                 except httpx.TransportError:
                     pass
                 time.sleep(0.5)
+
+    def set_threads(self, threads: int, timeout: float = 60.0) -> int:
+        """How many threads the model computes on from now on (CPU; 0: unchanged); returns the worker's
+        count. Above one only where `all_cores` bound the threads to more than one core at start."""
+        if threads < 0:
+            raise ValueError(f"threads must be 0 or more, not {threads}")
+        try:
+            r = httpx.post(f"{self.url}/collective_rpc", timeout=timeout,
+                           json={"method": "lightning_threads", "kwargs": {"threads": threads}})
+            r.raise_for_status()
+            result = r.json()["results"][0]
+            if "error" in result:
+                raise ValueError(result["error"])
+            return int(result["threads"])
+        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
+            raise VLLMServerError(f"could not set the server's threads to {threads}: {exc}") from None
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -59,6 +59,21 @@ class LightningWorkerExtension:
             "lm_head_max_err": self._lm_head_probe(),
         }
 
+    def lightning_threads(self, threads: int = 0) -> dict[str, Any]:
+        """How many OpenMP threads the model computes on from now on (torch's ops and vLLM's CPU
+        kernels read the same count; 0 changes nothing): a server bound to every core at start can
+        lend cores to a trainer and take them back (`VLLMServer.set_threads`)."""
+        # An error comes back as {"error": ...}: one raised here fails vLLM's engine, not the call.
+        try:
+            if int(threads) > 0:
+                # vLLM's CPU worker replaces torch.set_num_threads with a no-op once it has bound its
+                # threads (each OpenMP thread to its core); the pool keeps those threads, and their
+                # binding, when the count goes down and up again
+                torch._C.set_num_threads(int(threads))
+            return {"threads": torch.get_num_threads()}
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
     def _restore(self, weights_path: str) -> bool:
         try:
             self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
