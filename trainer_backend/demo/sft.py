@@ -131,15 +131,15 @@ def _right_padded(batch: list[tuple[list[int], list[int]]], pad: int = 0) -> tup
 
 
 def idle_cores(sample_s: float = 0.3) -> int:
-    """How many cores sat idle over a short sample of /proc/stat (at least 1; all on other OSes)."""
+    """How many cores other processes left idle over a short sample of /proc/stat, this process's
+    own CPU time counted as free (at least 1; all on other OSes)."""
     n = os.cpu_count() or 1
-    first = _cpu_times()
+    first, own0, t0 = _cpu_times(), time.process_time(), time.monotonic()
     time.sleep(sample_s)
-    last = _cpu_times()
+    last, own1, t1 = _cpu_times(), time.process_time(), time.monotonic()
     if first is None or last is None:
         return n
-    idle = n * (last[1] - first[1]) / max(1, last[0] - first[0])
-    return _threads_for(idle, n)
+    return _threads_for(free_cores(n, last[0] - first[0], last[1] - first[1], own1 - own0, t1 - t0), n)
 
 
 class CoreShare:
