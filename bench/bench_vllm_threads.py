@@ -31,8 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_middleware.cli import build_parser  # noqa: E402
 from trainer_backend.demo.cli import config_from  # noqa: E402
 from trainer_backend.demo.smol_bfcl import BfclDemoRun  # noqa: E402
-
-BIND = "VLLM_CPU_OMP_THREADS_BIND"
+from trainer_backend.serving.server import CPU_BIND  # noqa: E402
 
 
 def bind_value(mode: str) -> str | None:
@@ -47,9 +46,9 @@ def bind_value(mode: str) -> str | None:
 def one(mode: str, eval_tasks: int, out: str) -> dict[str, float]:
     value = bind_value(mode)
     if value is None:
-        os.environ.pop(BIND, None)
+        os.environ.pop(CPU_BIND, None)
     else:
-        os.environ[BIND] = value
+        os.environ[CPU_BIND] = value
     args = build_parser().parse_args(["demo", "--task", "bfcl", "--seed", "0", "--no-greedy",
                                       "--eval-tasks", str(eval_tasks), "--out", out])
     run = BfclDemoRun(replace(config_from(args), progress=False))

@@ -271,7 +271,7 @@ class DemoRun:
         self._threads_before = torch.get_num_threads()  # given back by close(): the process may go on
         torch.set_num_threads(cfg.threads or (1 if cfg.mode == "async" else (os.cpu_count() or 1)))
         if cfg.mode == "async":  # vLLM samples on the cores the trainer leaves; sync: they take turns
-            self.server_threads("rl", max(1, (os.cpu_count() or 1) - torch.get_num_threads()))
+            self.server_threads("rl", max(1, len(os.sched_getaffinity(0)) - torch.get_num_threads()))
         engine = self._engine(self._engine_config())
         daemon = self.daemon = TrainerDaemon(
             store, engine,
