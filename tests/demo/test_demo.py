@@ -222,7 +222,7 @@ def test_short_demo_learns(tmp_path: Path) -> None:
           f"{pref.mean:+.3f} nats (z {pref.z:.1f}, {pref.n} rollouts, moved {pref.moved:.3f}); held-out "
           f"{before:.1%} -> {after:.1%} in {res['steps']} steps, {res['timings']['rl_s'] / 60:.1f} min of RL")
     assert res["before"]["sampled"]["n"] == CI_EVAL_TASKS and res["before"]["sampled"]["errors"] == 0
-    assert 0.05 <= before <= 0.75, f"baseline {before:.1%} outside 5-75%"  # measured 45.7-50.0%
+    assert 0.05 <= before <= 0.75, f"baseline {before:.1%} outside 5-75%"  # 57.8% (AVX2, docs/demo.md)
     assert res["steps"] == CI_STEPS, f"only {res['steps']} of {CI_STEPS} RL steps within {CI_MAX_MINUTES:g} min"
     # the real path: every trained rollout came through wrap() with token IDs (>= 1 row each).
     assert all(c.get("rows_rows", 0) >= c["rollouts"] > 0 for c in res["curve"])

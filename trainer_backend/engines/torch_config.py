@@ -74,13 +74,20 @@ STATE_FILE = "trainer_state.pt"
 
 def lr_factor(config: TorchEngineConfig, step: int) -> float:
     """The multiplier of the peak lr at optimizer step `step` (0-based)."""
-    if config.warmup_steps and step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    if config.lr_schedule == "constant" or not config.total_steps:
+    return schedule_factor(step, config.lr_schedule, config.warmup_steps, config.total_steps, config.min_lr_ratio)
+
+
+def schedule_factor(step: int, schedule: str = "constant", warmup_steps: int = 0, total_steps: int | None = None,
+                    min_lr_ratio: float = 0.0) -> float:
+    """The multiplier of the peak lr at step `step` (0-based): a linear warm-up over `warmup_steps`,
+    then `schedule` ("constant", or a "linear" / "cosine" decay to `min_lr_ratio` at `total_steps`).
+    The RL engine's schedule (`lr_factor`) and the demo warm starts' SFT."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant" or not total_steps:
         return 1.0
-    span = max(1, config.total_steps - config.warmup_steps)
-    done = min(1.0, max(0.0, (step - config.warmup_steps) / span))
-    floor = config.min_lr_ratio
-    if config.lr_schedule == "linear":
-        return floor + (1.0 - floor) * (1.0 - done)
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * done))
+    span = max(1, total_steps - warmup_steps)
+    done = min(1.0, max(0.0, (step - warmup_steps) / span))
+    if schedule == "linear":
+        return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - done)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * done))
