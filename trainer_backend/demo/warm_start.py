@@ -213,7 +213,8 @@ def _build(out: Path, cfg: WarmStartConfig, progress: bool, save_at: Sequence[in
         if progress and (step % 10 == 0 or step == cfg.sft_steps - 1):
             print(f"  warm start step {step + 1}/{cfg.sft_steps}  loss {loss:.3f}", flush=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    (tmp / "warm_start.json").write_text(json.dumps({**asdict(cfg), "seconds": time.perf_counter() - t0, "curve": curve}))
+    kept = {**asdict(cfg), "seconds": time.perf_counter() - t0, "curve": curve}
+    (tmp / "warm_start.json").write_text(json.dumps(kept))
     (tmp / ".done").write_text("ok")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
