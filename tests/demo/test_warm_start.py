@@ -11,17 +11,25 @@ import pytest
 
 from trainer_backend.demo.warm_start import WarmStartConfig
 
+SHRUNK = WarmStartConfig(sft_steps=8, warmup_steps=2, demos=64, batch_size=4, precision="fp32", min_lr_ratio=0.1)
 
-def test_the_sft_warms_up_then_decays_and_keeps_its_curve(tmp_path: Path) -> None:
-    """A real build, shrunk: the lr each step ran at is the shared schedule's (a warm-up, then a linear
-    decay toward lr * min_lr_ratio), and warm_start.json keeps every step's lr and loss."""
+
+@pytest.fixture(scope="module")
+def shrunk(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real build, shrunk to seconds."""
     pytest.importorskip("transformers")
     from trainer_backend.demo.warm_start import warm_start
+
+    return warm_start(tmp_path_factory.mktemp("ws") / "ws", SHRUNK, progress=False, threads=1)
+
+
+def test_the_sft_warms_up_then_decays_and_keeps_its_curve(shrunk: Path) -> None:
+    """The lr each step ran at is the shared schedule's (a warm-up, then a linear decay toward
+    lr * min_lr_ratio), and warm_start.json keeps every step's lr and loss."""
     from trainer_backend.engines.torch_config import schedule_factor
 
-    cfg = WarmStartConfig(sft_steps=8, warmup_steps=2, demos=64, batch_size=4, precision="fp32", min_lr_ratio=0.1)
-    out = warm_start(tmp_path / "ws", cfg, progress=False, threads=1)
-    kept = json.loads((out / "warm_start.json").read_text())
+    cfg = SHRUNK
+    kept = json.loads((shrunk / "warm_start.json").read_text())
     assert kept["lr_schedule"] == "linear" and kept["min_lr_ratio"] == 0.1 and kept["lr"] == cfg.lr
     curve = kept["curve"]
     want = [cfg.lr * schedule_factor(k, "linear", 2, 8, 0.1) for k in range(8)]
@@ -41,3 +49,27 @@ def test_a_schedule_is_part_of_the_cache_key_and_a_bad_one_is_refused() -> None:
     assert WarmStartConfig().key() != WarmStartConfig(min_lr_ratio=0.5).key()
     with pytest.raises(ValueError, match="lr_schedule must be one of constant, linear, cosine, not 'step'"):
         WarmStartConfig(lr_schedule="step").resolved()
+
+
+def test_guess_probs_weigh_each_call_in_the_range_given_only_what_the_agent_saw(shrunk: Path) -> None:
+    """The next guess's probabilities cover LOW..HIGH and sum to 1; before any answer the context is
+    the same whatever the secret, after one it is not (the answer is in the prompt, the secret never);
+    `last_guesses` reports the leaves exact bisection reaches on its fourth guess."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer_backend.demo.task import HIGH, LOW
+    from trainer_backend.demo.warm_start import guess_probs, last_guesses
+
+    tok = AutoTokenizer.from_pretrained(shrunk)
+    model = AutoModelForCausalLM.from_pretrained(shrunk, dtype=torch.float32).eval()
+    first = guess_probs(model, tok, 3, [])
+    assert sorted(first) == list(range(LOW, HIGH + 1)) and sum(first.values()) == pytest.approx(1.0)
+    assert all(0 < q < 1 for q in first.values())
+    assert guess_probs(model, tok, 12, []) == pytest.approx(first, rel=1e-6)
+    lower, higher = guess_probs(model, tok, 3, [8]), guess_probs(model, tok, 12, [8])  # "lower" / "higher"
+    assert max(abs(lower[n] - higher[n]) for n in lower) > 1e-4
+    assert guess_probs(model, tok, 5, [8]) == pytest.approx(lower, rel=1e-6)  # the same answer, the same context
+    rows = last_guesses(shrunk)
+    assert [r["secret"] for r in rows] == [1, 3, 5, 7, 9, 11, 13, 15]
+    assert rows[5]["before"] == [8, 12, 10] and 0 < rows[5]["p_correct"] < 1 and len(rows[5]["top"]) == 3

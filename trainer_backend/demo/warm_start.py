@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -221,16 +222,64 @@ def _build(out: Path, cfg: WarmStartConfig, progress: bool, save_at: Sequence[in
     log.info("warm start written to %s in %.0f s", out, time.perf_counter() - t0)
 
 
+def guess_probs(model: Any, tok: Any, secret: int, guesses: Sequence[int]) -> dict[int, float]:
+    """The policy's next call after `guesses` (answered as for `secret`): P(guess n) for each n in
+    LOW..HIGH, each call's tokens teacher-forced, normalised over the range. Greedy success counts
+    the secrets whose argmax path wins; this says what the policy weighs at one step of it."""
+    import torch
+
+    k = len(guesses)
+    scores = {}
+    for n in range(LOW, HIGH + 1):
+        msgs = episode_messages(secret, [*guesses, n])
+        prompt = tok(_render(tok, msgs[:2 + 2 * k], True), add_special_tokens=False)["input_ids"]
+        full = tok(_render(tok, msgs[:3 + 2 * k], False), add_special_tokens=False)["input_ids"][:-1]  # drop "\n"
+        assert full[:len(prompt)] == prompt, "the chat template does not extend the prompt"
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([full])).logits[0, :-1].float(), -1)
+        scores[n] = float(sum(logp[i - 1, full[i]] for i in range(len(prompt), len(full))))
+    top = max(scores.values())
+    total = sum(math.exp(v - top) for v in scores.values())
+    return {n: math.exp(v - top) / total for n, v in scores.items()}
+
+
+def last_guesses(model_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """For each secret exact bisection reaches on its last guess: P(the right last guess) after the
+    bisection before it, and the three likeliest (docs/demo.md, "Greedy success")."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = []
+    for secret in range(LOW, HIGH + 1):
+        path = bisection_guesses(secret)
+        if len(path) == MAX_GUESSES:
+            probs = guess_probs(model, tok, secret, path[:-1])
+            top = sorted(probs.items(), key=lambda x: -x[1])[:3]
+            rows.append({"secret": secret, "before": path[:-1], "p_correct": probs[secret], "top": top})
+    return rows
+
+
 def _main(argv: Sequence[str]) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m trainer_backend.demo.warm_start",
                                 description="build the demo's warm start")
-    p.add_argument("out_dir")
+    p.add_argument("out_dir", nargs="?")
+    p.add_argument("--last-guesses", metavar="MODEL_DIR",
+                   help="print a built model's choice of each bisection's last guess instead of building")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sft-steps", type=int, default=WarmStartConfig.sft_steps)
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
     a = p.parse_args(argv)
+    if a.last_guesses:
+        for row in last_guesses(a.last_guesses):
+            top = ", ".join(f"{n}: {q:.2f}" for n, q in row["top"])
+            print(f"secret {row['secret']:2d} after {row['before']}: P(right) {row['p_correct']:.2f}  (top: {top})")
+        return 0
+    if not a.out_dir:
+        p.error("give the folder to build the warm start in, or --last-guesses MODEL_DIR")
     print(warm_start(a.out_dir, WarmStartConfig(seed=a.seed, sft_steps=a.sft_steps, precision=a.precision)))
     return 0
 
