@@ -189,8 +189,8 @@ class DemoRun:
     # -- 1. warm start ----------------------------------------------------------------
     def warm_start(self) -> None:
         cfg = self.cfg
-        ws = WarmStartConfig(seed=cfg.warm_start_seed, precision=cfg.warm_start_precision)
-        ws = replace(ws, sft_steps=cfg.sft_steps or ws.sft_steps).resolved()
+        ws = WarmStartConfig(seed=cfg.warm_start_seed, precision=cfg.warm_start_precision,
+                             sft_steps=cfg.sft_steps or WarmStartConfig.sft_steps).resolved()
         self.results["warm_start"] = asdict(ws)
         say(f"[1/5] warm start (cached under {lightning_home() / 'demo'})")
         say(f"      SFT in {ws.precision} ({'native bf16' if ws.precision == 'bf16' else 'no fast bf16 on this CPU'})")

@@ -228,16 +228,12 @@ def guess_probs(model: Any, tok: Any, secret: int, guesses: Sequence[int]) -> di
     the secrets whose argmax path wins; this says what the policy weighs at one step of it."""
     import torch
 
-    k = len(guesses)
     scores = {}
     for n in range(LOW, HIGH + 1):
-        msgs = episode_messages(secret, [*guesses, n])
-        prompt = tok(_render(tok, msgs[:2 + 2 * k], True), add_special_tokens=False)["input_ids"]
-        full = tok(_render(tok, msgs[:3 + 2 * k], False), add_special_tokens=False)["input_ids"][:-1]  # drop "\n"
-        assert full[:len(prompt)] == prompt, "the chat template does not extend the prompt"
+        ids, mask = sft_example(tok, secret, [*guesses, n], last_only=True)  # mask: the call's tokens
         with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([full])).logits[0, :-1].float(), -1)
-        scores[n] = float(sum(logp[i - 1, full[i]] for i in range(len(prompt), len(full))))
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        scores[n] = float(sum(logp[i - 1, ids[i]] for i, m in enumerate(mask) if m))
     top = max(scores.values())
     total = sum(math.exp(v - top) for v in scores.values())
     return {n: math.exp(v - top) / total for n, v in scores.items()}
