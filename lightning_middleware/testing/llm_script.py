@@ -27,8 +27,11 @@ predict every token:
   the connection without finishing the body (an engine that dies mid-stream);
   `x-test-hold: KEY` sends a stream's first event, then holds the rest until a
   POST to `/test/release` with `{"key": KEY}` (a call that stays in flight for
-  exactly as long as a test needs, on any machine's speed).
-  The last three are served by the HTTP server (`llm_server`) only.
+  exactly as long as a test needs, on any machine's speed); `x-test-tag: TAG`
+  counts the request under TAG as it arrives, read back with GET
+  `/test/seen/TAG` (a test waits until its call is at the engine, not a guess
+  at how long that takes).
+  The last four are served by the HTTP server (`llm_server`) only.
 
 `reply(path, headers, raw)` is the whole server as one function: the ASGI app
 (`llm_server.build_app`) and the in-process transport (`transport.LLMTestTransport`)

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 from lightning_middleware.testing.llm_script import MODELS, reply, tokenize_reply
@@ -46,8 +47,11 @@ def build_app(latency_s: float = 0.0, cpu_s: float = 0.0) -> Any:
     from starlette.routing import Route
 
     holds: dict[str, asyncio.Event] = {}  # x-test-hold keys, released by POST /test/release
+    seen: Counter[str] = Counter()  # x-test-tag: requests that arrived, read by GET /test/seen/TAG
 
     async def completions(request: Request) -> Any:
+        if tag := request.headers.get("x-test-tag"):
+            seen[tag] += 1
         answer = reply(request.url.path, request.headers, await request.body())
         if answer.hang_s:
             await asyncio.sleep(answer.hang_s)
@@ -84,6 +88,9 @@ def build_app(latency_s: float = 0.0, cpu_s: float = 0.0) -> Any:
         holds.setdefault(str((await request.json())["key"]), asyncio.Event()).set()
         return JSONResponse({"released": True})
 
+    async def seen_route(request: Request) -> Any:
+        return JSONResponse({"seen": seen[request.path_params["tag"]]})
+
     async def health(_request: Request) -> Any:
         return JSONResponse({"ok": True})
 
@@ -95,6 +102,7 @@ def build_app(latency_s: float = 0.0, cpu_s: float = 0.0) -> Any:
         Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/test/release", release, methods=["POST"]),
+        Route("/test/seen/{tag}", seen_route, methods=["GET"]),
     ])
 
 
@@ -170,6 +178,14 @@ class LLMTestServer:
         import httpx
 
         httpx.post(self.url + "/test/release", json={"key": key}, timeout=10).raise_for_status()
+
+    def seen(self, tag: str) -> int:
+        """How many requests tagged `x-test-tag: tag` have reached the server so far."""
+        import httpx
+
+        r = httpx.get(f"{self.url}/test/seen/{tag}", timeout=10)
+        r.raise_for_status()
+        return int(r.json()["seen"])
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

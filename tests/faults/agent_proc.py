@@ -4,7 +4,8 @@ It records through `wrap()` like any agent, holds a lease on its rollout as a co
 would, prints `READY <rollout id> <calls answered>` when it reaches the moment MODE names, then
 waits there to be killed:
 
-    nonstream  two calls answered, the third in flight (the engine hangs on it)
+    nonstream  two calls answered, the third in flight (the engine hangs on it; tagged with the
+               rollout's id: the test waits until the engine has it)
     stream     one call answered, then a stream read half-way
     between    one rollout finished (two calls, a reward), the next not begun
 """
@@ -44,7 +45,7 @@ def main(mode: str, store_url: str, base_url: str) -> None:
         ask(r2, "one more")
         if mode == "nonstream":
             print(f"READY {r2.id} 1", flush=True)
-            ask(r2, "in flight", extra_headers={"x-test-hang": "600"})
+            ask(r2, "in flight", extra_headers={"x-test-hang": "600", "x-test-tag": r2.id})
         else:
             stream = ask(r2, "half read " * 4, stream=True, extra_headers={"x-test-delay": "0.1"})
             for i, _chunk in enumerate(stream):  # type: ignore[attr-defined]

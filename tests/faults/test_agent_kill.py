@@ -1,7 +1,8 @@
 """Fault matrix, agent cells: the agent process killed with SIGKILL at three moments.
 
 What the store holds afterwards: every call the agent had answered before the kill is there
-(each was handed to the background writer, which writes within `writer_interval_s`); the call in
+(the kill comes once they are on disk: the background writer writes within `writer_interval_s`
+on a quiet machine, and the test waits for that, not a guess at it); the call in
 flight or the stream half read is not recorded at all (a record is made when a response ends,
 and the process ended first). The rollout left running is reaped as failed by the lease reaper
 once its lease goes stale, and the trainer never takes a failed rollout, so nothing
@@ -44,10 +45,22 @@ def test_agent_killed(mode: str, llm_server: LLMTestServer, tmp_path) -> None:
     url = f"sqlite:///{tmp_path / 'agent.db'}"
     TraceStore(url).close()  # the schema exists before the agent and the test open it
     proc, rid, answered = _start(mode, url, llm_server)
-    time.sleep(0.3)  # the in-flight request has reached the engine; a few writer intervals pass
-    kill9(proc)
-    killed_at = time.monotonic()
     store = TraceStore(url)
+    first = rid.removesuffix("-b")
+
+    def ready_to_kill() -> bool:
+        """The moment the mode names, on any machine's speed: what was answered is on disk (the agent's
+        writer runs every 50 ms) and the nonstream call in flight has reached the engine."""
+        finished = store.get_rollout(rid if mode == "between" else first)
+        return (finished is not None and finished.status == "succeeded" and len(store.calls(rid)) == answered
+                and (mode != "nonstream" or llm_server.seen(rid) == 1))
+
+    try:
+        wait_for("the agent's answered calls on disk and its last call at the engine", ready_to_kill,
+                 timeout=60, every=0.02)
+    finally:
+        kill9(proc)
+    killed_at = time.monotonic()
     reaped: list[str] = []
 
     def reap() -> bool:
@@ -56,7 +69,6 @@ def test_agent_killed(mode: str, llm_server: LLMTestServer, tmp_path) -> None:
 
     wait_for("the reaper to end the killed rollout", reap, timeout=30, every=0.1)
     recovery = time.monotonic() - killed_at
-    first = rid.removesuffix("-b")
     if mode == "between":
         ro = store.get_rollout(rid)
         assert ro.status == "succeeded" and ro.final_reward == 1.0  # finished before the kill: whole

@@ -31,17 +31,42 @@ from tests.faults.matrix import Cell, report, wait_for
 ROLLOUTS, TURNS = 8, 3
 
 
-def _agent(client: openai.OpenAI, opened: threading.Event) -> Any:
+class Streams:
+    """How many of the agents' streams are open (their first chunk read, their last not yet), and
+    an event set once `enough` are open at one moment."""
+
+    def __init__(self, enough: int) -> None:
+        self.enough, self.open, self.lock = enough, 0, threading.Lock()
+        self.several = threading.Event()
+
+    def opened(self) -> None:
+        with self.lock:
+            self.open += 1
+            if self.open >= self.enough:
+                self.several.set()
+
+    def closed(self) -> None:
+        with self.lock:
+            self.open -= 1
+
+
+def _agent(client: openai.OpenAI, streams: Streams) -> Any:
     def agent(task: dict[str, Any]) -> float:
         messages = [{"role": "user", "content": f"{task['task_id']} tell me something long enough"}]
         for _ in range(TURNS):
-            text = ""
+            text, first = "", True
             stream = client.chat.completions.create(model="m", messages=messages, stream=True, max_tokens=40,
                                                     extra_headers={"x-test-delay": "0.02"})
-            for chunk in stream:
-                opened.set()
-                if chunk.choices:
-                    text += chunk.choices[0].delta.content or ""
+            try:
+                for chunk in stream:
+                    if first:
+                        streams.opened()
+                        first = False
+                    if chunk.choices:
+                        text += chunk.choices[0].delta.content or ""
+            finally:
+                if not first:
+                    streams.closed()
             messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "go on"}]
         return 1.0
     return agent
@@ -52,13 +77,12 @@ def test_engine_killed_mid_rollout(tmp_path) -> None:
     store = TraceStore(f"sqlite:///{tmp_path / 'engine.db'}")
     engine = LLMTestServer().start()
     client = wrap(openai.OpenAI(base_url=engine.base_url, api_key="x", max_retries=0, timeout=30), store=store)
-    opened = threading.Event()
+    streams = Streams(enough=2)  # of the controller's 4 at a time
     restarted = threading.Event()
     down: dict[str, float] = {}
 
     def kill_and_restart() -> None:
-        opened.wait(60)
-        time.sleep(0.3)  # several rollouts are mid-stream
+        streams.several.wait(60)  # several rollouts are mid-stream, however fast this machine is
         assert engine.pid is not None
         os.kill(engine.pid, signal.SIGKILL)
         down["at"] = time.monotonic()
@@ -72,7 +96,7 @@ def test_engine_killed_mid_rollout(tmp_path) -> None:
     killer.start()
     tasks = [{"task_id": f"e{i}"} for i in range(ROLLOUTS)]
     try:
-        with RolloutController(_agent(client, opened), store=store, backend="thread", concurrency=4,
+        with RolloutController(_agent(client, streams), store=store, backend="thread", concurrency=4,
                                retry=RetryPolicy(max_attempts=6, backoff_s=0.5)) as c:
             results = c.run(tasks)
         wait_for("the engine to come back", restarted.is_set, timeout=30)

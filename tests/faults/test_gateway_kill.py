@@ -86,7 +86,12 @@ def test_gateway_killed_under_load_and_restarted(llm_server: LLMTestServer, tmp_
     try:
         rids = [httpx.post(base + "/rollouts", json={"task_id": "gw-kill"},
                            timeout=30).json()["id"] for _ in range(AGENTS)]
-        time.sleep(0.2)  # the rollouts are on disk (the test kills calls, not rollout creation)
+        reader = TraceStore(url)  # the rollouts on disk: the test kills calls, not rollout creation
+        try:
+            wait_for("the rollouts on disk", lambda: all(reader.get_rollout(rid) is not None for rid in rids),
+                     timeout=60)
+        finally:
+            reader.close()
         agents = [Agent(base, rid, stop) for rid in rids]
         for a in agents:
             a.start()

@@ -106,3 +106,22 @@ def _check_recorded_failed(calls: list, fault: str) -> None:
 def _summary(call) -> str:
     return (f"status {call.status_code}, partial={call.partial}, training={call.is_training}, "
             f"error={(call.error or '')[:60]!r}")
+
+
+def test_the_test_server_counts_a_tagged_request_as_it_arrives(llm_server: LLMTestServer) -> None:
+    """`x-test-tag`: the probe the kill tests wait on (a call at the engine, not a guessed delay), so it
+    must count a request before the request is answered, and count each tag apart."""
+    import threading
+
+    from tests.faults.matrix import wait_for
+
+    tag = uuid.uuid4().hex
+    assert llm_server.seen(tag) == 0
+    body = {"model": "m", "messages": _messages()}
+    hung = threading.Thread(target=lambda: httpx.post(llm_server.base_url + "/chat/completions", json=body, timeout=30,
+                                                      headers={"x-test-tag": tag, "x-test-hang": "5"}), daemon=True)
+    hung.start()
+    wait_for("the hanging request counted", lambda: llm_server.seen(tag) == 1, timeout=30)
+    assert hung.is_alive()  # counted while it still hangs, unanswered
+    assert llm_server.seen(uuid.uuid4().hex) == 0
+    hung.join(30)

@@ -10,7 +10,7 @@ import pytest
 
 from lightning_middleware import LLMCall, TraceStore, rollout, wrap
 from lightning_middleware.testing import LLMTestServer, PostgresTestServer
-from tests.faults.matrix import Cell, report
+from tests.faults.matrix import Cell, report, wait_for
 
 
 @pytest.mark.slow
@@ -121,7 +121,7 @@ def test_postgres_restarted_under_load_loses_nothing(llm_server: LLMTestServer) 
                     answered[rid] = 2
                     n += 1
 
-        down = threading.Event()
+        down, opened = threading.Event(), threading.Event()
 
         def finisher(url: str) -> None:
             """A rollout opened before the outage and finished during it: its finish must be retried."""
@@ -130,7 +130,8 @@ def test_postgres_restarted_under_load_loses_nothing(llm_server: LLMTestServer) 
                 post_retrying(http, "/rollouts", {"task_id": "finisher", "id": rid})
                 body = {"model": "m", "messages": [{"role": "user", "content": "before the outage"}]}
                 http.post(f"/rollouts/{rid}/v1/chat/completions", json=body).raise_for_status()
-                down.wait(30)
+                opened.set()
+                down.wait(60)
                 post_retrying(http, f"/rollouts/{rid}/finish", {"reward": 1.0})
                 answered[rid] = 1
 
@@ -146,18 +147,25 @@ def test_postgres_restarted_under_load_loses_nothing(llm_server: LLMTestServer) 
             threads.append(threading.Thread(target=guarded, args=(finisher, gw.url)))
             for t in threads:
                 t.start()
-            time.sleep(2.0)
+            # Each phase waits for what it needs, not a guess at how long that takes on this machine.
+            wait_for("the finisher's rollout open, the agents' first 20 done",
+                     lambda: opened.is_set() and len(answered) >= 20)
             pg.stop()  # in the middle of the agents' writes
             down.set()
-            time.sleep(2.0)
-            end = time.monotonic() + 20  # and until the finisher's finish has been refused (a loaded machine)
-            while not any(path.endswith("/finish") for path in unavailable) and time.monotonic() < end:
-                time.sleep(0.05)
+            at_stop = len(answered)
+
+            def outage_seen() -> bool:  # writes failed, the finisher's finish refused, agents went on
+                stats = store.writer_stats()
+                return (stats is not None and stats.failures >= 1 and len(answered) >= at_stop + 10
+                        and any(path.endswith("/finish") for path in unavailable))
+
+            wait_for("the outage seen by the writer, the gateway and the agents", outage_seen)
             pending_down = store.writer_stats().pending
             t_start = time.monotonic()
             pg.start()
             up_s = time.monotonic() - t_start
-            time.sleep(1.0)
+            at_start = len(answered)
+            wait_for("10 rollouts answered after the restart", lambda: len(answered) >= at_start + 10)
             stop.set()
             for t in threads:
                 t.join(60)

@@ -4,14 +4,13 @@ per step. Real rollouts on the test LLM server, real store, the real TorchEngine
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytest.importorskip("torch")
 
 from lightning_middleware import Reward, RewardConfig, TraceStore  # noqa: E402
 from lightning_middleware.rewards import Scorer, rescore  # noqa: E402
+from tests.faults.matrix import wait_for  # noqa: E402
 from tests.trainer import test_daemon  # noqa: E402
 from tests.trainer.test_daemon import make_daemon, run_rollouts  # noqa: E402
 from trainer_backend.daemon.reward_gate import RewardPolicy  # noqa: E402
@@ -109,7 +108,9 @@ def test_the_daemon_ranks_each_ready_group_before_training(llm_server, store: Tr
         daemon = make_daemon(store, model_dir, tmp_path, rewards=RewardPolicy(config=cfg, rank_ahead=rank_ahead))
         [result] = daemon.run(max_steps=1, idle_timeout_s=60)  # ahead: the first collects may find it ranking
         assert len(judge.seen) == 4  # a twice (never readable), b and c once
-        time.sleep(10 * daemon.config.poll_interval_s)  # the thread's next rounds: a is not asked about again
+        if (ahead := daemon.rank_ahead) is not None:  # three more rounds of the thread: a is not asked again
+            seen = ahead.rounds
+            wait_for("three rounds of ranking ahead", lambda: ahead.rounds >= seen + 3, timeout=60)
         assert daemon.step_once() is None and len(judge.seen) == 4  # nothing left; nobody asked again
     m = result.metrics
     assert m["n_rollouts"] == 8  # b and c

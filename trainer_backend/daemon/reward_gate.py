@@ -425,6 +425,7 @@ class RankAhead:
                  interval_s: float, name: str = "rank-ahead", *, newest_first: bool = True) -> None:
         self.gate, self.ready, self.groups, self.interval_s = gate, ready, groups, interval_s
         self.newest_first = newest_first
+        self.rounds = 0  # rounds finished: what a caller counts to know the thread has looked again
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=name)
         self._thread.start()
@@ -437,6 +438,7 @@ class RankAhead:
             except Exception:  # the store or the judge failed: the collect ranks what is left itself
                 log.exception("ranking ahead failed; retrying in %.1f s", self.interval_s)
                 ranked = 0
+            self.rounds += 1
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop after the round under way (a judge call is bounded by its deadline)."""

@@ -108,6 +108,11 @@ class TrainerDaemon:
                 return Path(pv.path), latest
         return Path(model_dir), latest or 0
 
+    @property
+    def rank_ahead(self) -> RankAhead | None:
+        """The thread that ranks ready groups ahead of the collect, where the rewards have a ranking judge."""
+        return self._rank_ahead
+
     def _last_step(self) -> int:
         steps = [s.step for s in self.store.train_steps(self.config.trainer_id)]
         return max(steps, default=0)
