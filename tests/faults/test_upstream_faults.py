@@ -8,6 +8,7 @@ a training call. The upstream is the deterministic test LLM server with its faul
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 
@@ -18,7 +19,7 @@ import pytest
 from lightning_middleware import TraceStore, rollout, wrap
 from lightning_middleware.gateway import Gateway
 from lightning_middleware.testing import LLMTestServer
-from tests.faults.matrix import Cell, report
+from tests.faults.matrix import Cell, report, wait_for
 
 FAULTS = {  # cell -> (headers, stream)
     "5xx": ({"x-test-fail-times": "1"}, False),
@@ -111,10 +112,6 @@ def _summary(call) -> str:
 def test_the_test_server_counts_a_tagged_request_as_it_arrives(llm_server: LLMTestServer) -> None:
     """`x-test-tag`: the probe the kill tests wait on (a call at the engine, not a guessed delay), so it
     must count a request before the request is answered, and count each tag apart."""
-    import threading
-
-    from tests.faults.matrix import wait_for
-
     tag = uuid.uuid4().hex
     assert llm_server.seen(tag) == 0
     body = {"model": "m", "messages": _messages()}
