@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 from tests.cpu_profile import CpuRow, by_module
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.planted import run_pytest
 
 PLANTED = '''
 import subprocess, sys, time
@@ -38,12 +35,7 @@ def test_waits():
 
 
 def _pytest(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    for name in ("PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS"):
-        env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.cpu_profile",
-                           "--rootdir", str(folder), "-c", os.devnull, *args, str(folder)],
-                          capture_output=True, text=True, timeout=120, cwd=folder, env=env)
+    return run_pytest(folder, "-p", "tests.cpu_profile", *args, timeout=120)
 
 
 def test_each_test_gets_its_own_and_its_childrens_cpu(tmp_path: Path) -> None:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.planted import run_pytest
 
 MODULE_LEVEL = "import pytest\nmissing = pytest.importorskip('no_such_module_xyz')\n\ndef test_a():\n    pass\n"
 IN_A_TEST = ("import pytest\n\ndef test_b():\n    pytest.importorskip('no_such_module_xyz')\n\n"
@@ -15,13 +13,8 @@ IN_A_TEST = ("import pytest\n\ndef test_b():\n    pytest.importorskip('no_such_m
 
 
 def _pytest(folder: Path, require_all: bool) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # ours alone: ~3 s less CPU
-    env.pop("LIGHTNING_TEST_REQUIRE_ALL", None)
-    if require_all:
-        env["LIGHTNING_TEST_REQUIRE_ALL"] = "1"
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "tests.strict", "-p", "no:cacheprovider",
-                           "--rootdir", str(folder), "-c", os.devnull, str(folder)],
-                          capture_output=True, text=True, timeout=120, cwd=folder, env=env)
+    env = {"LIGHTNING_TEST_REQUIRE_ALL": "1"} if require_all else {}
+    return run_pytest(folder, "-rA", "-p", "tests.strict", env=env, timeout=120)
 
 
 def test_a_missing_module_skips_by_default_and_fails_where_everything_is_required(tmp_path: Path) -> None:

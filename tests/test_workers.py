@@ -4,10 +4,11 @@ suite: grouped tests share a worker, a lost grouping stops the run, and a leak f
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.planted import run_pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,14 +108,7 @@ CLEAN = "def test_one():\n    pass\n\n\ndef test_two():\n    pass\n"
 
 
 def _pytest(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    # Only the plugins named here: loading every installed one costs each pytest process ~3 s of CPU.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LIGHTNING_TEST_LEAKS_GRACE_S": "1",
-           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    for name in ("LIGHTNING_TEST_LEAKS", "PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS"):
-        env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "xdist",
-                           "--rootdir", str(folder), "-c", os.devnull, *args, str(folder)],
-                          capture_output=True, text=True, timeout=180, cwd=folder, env=env)
+    return run_pytest(folder, "-p", "xdist", *args, env={"LIGHTNING_TEST_LEAKS_GRACE_S": "1"})
 
 
 def test_tests_sharing_a_server_run_on_one_worker(tmp_path: Path) -> None:
