@@ -143,3 +143,40 @@ def test_serve_says_in_one_line_that_vllm_did_not_start(vllm_python: Path, tied_
     assert last.startswith("lightning-mw serve: vLLM did not start: vLLM exited with code 2") and \
         last.endswith(f"(log {log})"), proc.stderr[-3000:]
     assert "no-such-vllm-flag" in log.read_text(), log.read_text()[-2000:]
+
+
+def test_a_named_command_loads_its_entry_point_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ghosts = _ghost_commands(tmp_path)
+    (tmp_path / "cheap_command_xyz.py").write_text(  # a module of its own: ghostpkg may be cached from elsewhere
+        "def add_cli(sub):\n    p = sub.add_parser('cheap')\n    p.add_argument('--n', type=int)\n"
+        "    p.set_defaults(func=lambda args: args.n)\n")
+    commands = [EntryPoint("cheap", "cheap_command_xyz:add_cli", "lightning_middleware.commands"), *ghosts]
+    for argv in (["cheap", "--n", "3"], ["-v", "cheap", "--n", "3"]):
+        parser = build_parser(commands, argv=argv)
+        args = parser.parse_args(argv)
+        assert args.func(args) == 3
+        assert "optional" not in parser.format_help()  # the others were never imported
+    # no command, an option first, or a name no entry point has: every command, to list or to refuse
+    for argv in ([], ["--help"], ["chea"]):
+        assert "optional" in build_parser(commands, argv=argv).format_help(), argv
+
+
+def test_every_command_is_registered_under_its_entry_points_name() -> None:
+    """What loading the named entry point alone relies on; the extra names (`vllm-env`) load them all."""
+    import argparse
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="lightning_middleware.commands"):
+        sub = argparse.ArgumentParser().add_subparsers()
+        ep.load()(sub)
+        assert ep.name in sub.choices, (ep.name, sorted(sub.choices))
+
+
+def test_a_rollout_workers_command_line_imports_nothing_of_the_trainer() -> None:
+    code = ("import sys\nfrom lightning_middleware.cli import main\ntry:\n    main(['rollouts', 'worker', '--help'])\n"
+            "except SystemExit:\n    pass\nprint(sorted(m for m in sys.modules if m.startswith('trainer_backend')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout[-2000:]
+    assert "worker" in proc.stdout  # the help was printed: the command was there
