@@ -6,7 +6,7 @@ names the trainer's package, and a package installed beside it can add its own c
 Registering must stay cheap: heavy imports live inside the command functions. When the command
 line names an entry point's command, that entry point alone is loaded: a rollout worker's pod
 (`lightning-mw rollouts worker`) then never imports the trainer's settings to build a parser it
-does not use (a quarter of its start on a 2-core AVX2 EPYC; docs/benchmarks.md).
+does not use (a tenth of its start's CPU on a 2-core AVX2 EPYC; docs/benchmarks.md).
 """
 
 from __future__ import annotations
