@@ -33,11 +33,11 @@ class CpuRow(NamedTuple):
 
 
 def machine_busy_s() -> float:
-    """CPU-seconds every core has spent on anything but idling or waiting for I/O since boot."""
+    """CPU-seconds every core has spent running something since boot: user, nice, system, irq and
+    softirq (not idle or I/O wait; not steal, the hypervisor's; guest time is in user already)."""
     with open("/proc/stat", encoding="ascii") as f:
-        ticks = [int(x) for x in f.readline().split()[1:]]
-    idle, iowait = ticks[3], ticks[4]
-    return (sum(ticks[:8]) - idle - iowait) / _TICKS_PER_S  # guest time is counted in user already
+        user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f.readline().split()[1:8])
+    return (user + nice + system + irq + softirq) / _TICKS_PER_S
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
