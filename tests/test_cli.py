@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
-from importlib.metadata import EntryPoint
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
 import pytest
@@ -164,9 +165,6 @@ def test_a_named_command_loads_its_entry_point_alone(tmp_path: Path, monkeypatch
 
 def test_every_command_is_registered_under_its_entry_points_name() -> None:
     """What loading the named entry point alone relies on; the extra names (`vllm-env`) load them all."""
-    import argparse
-    from importlib.metadata import entry_points
-
     for ep in entry_points(group="lightning_middleware.commands"):
         sub = argparse.ArgumentParser().add_subparsers()
         ep.load()(sub)
