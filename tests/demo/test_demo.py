@@ -105,6 +105,8 @@ def test_cli_registers_demo() -> None:
     assert config_from(build_parser().parse_args(["demo", "--lr-end", "0"])).lr_end is None  # 0: constant lr
     team = config_from(build_parser().parse_args(["demo", "--task", "team"]))
     assert (team.lr, team.lr_end, team.task) == (2e-3, 1e-3, "team")  # LoRA adapters' recipe
+    assert cfg.warm_start_turn == "any"
+    assert config_from(build_parser().parse_args(["demo", "--warm-start-turn", "found"])).warm_start_turn == "found"
 
 
 def test_rl_samples_at_the_training_temperature(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

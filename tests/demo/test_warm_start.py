@@ -73,3 +73,70 @@ def test_guess_probs_weigh_each_call_in_the_range_given_only_what_the_agent_saw(
     rows = last_guesses(shrunk)
     assert [r["secret"] for r in rows] == [1, 3, 5, 7, 9, 11, 13, 15]
     assert rows[5]["before"] == [8, 12, 10] and 0 < rows[5]["p_correct"] < 1 and len(rows[5]["top"]) == 3
+
+
+def _context(secret: int, guesses: list[int]) -> tuple[str, ...]:
+    """What the policy sees before a demonstration's last guess: the earlier guesses' answers."""
+    from trainer_backend.demo.task import answer
+
+    return tuple(f"{g}:{answer(secret, g)}" for g in guesses[:-1])
+
+
+@pytest.mark.parametrize("turn", ["any", "found"])
+def test_demonstrations_stay_on_the_bisection_tree_at_either_turn(turn: str) -> None:
+    """Every demonstration is exact bisection up to its last guess, which is the midpoint or, as noise,
+    a number still consistent with the answers; "found" ends each on the turn bisection finds its
+    secret, so its context is the one tree node whose midpoint is that secret."""
+    import random
+
+    from trainer_backend.demo.task import HIGH, LOW, bisection_guesses, demo_decision
+
+    rng = random.Random(0)
+    for _ in range(600):
+        secret = rng.randint(LOW, HIGH)
+        clean = bisection_guesses(secret)
+        g = demo_decision(secret, rng, 0.35, turn)
+        assert g[:-1] == clean[:len(g) - 1]
+        lo, hi = LOW, HIGH
+        for x in g[:-1]:
+            lo, hi = (x + 1, hi) if secret > x else (lo, x - 1)
+        assert lo <= g[-1] <= hi
+        if turn == "found":
+            assert len(g) == len(clean)
+    assert demo_decision(11, random.Random(1), 0.0, "found") == bisection_guesses(11) == [8, 12, 10, 11]
+
+
+def test_found_turns_give_every_tree_context_the_same_share() -> None:
+    """Over uniform secrets, "found" draws each of the tree's 15 contexts once per 15 secrets, where
+    "any" draws the first guess's context in 36% of demonstrations and each last-guess context in 1.7%."""
+    import random
+    from collections import Counter
+
+    from trainer_backend.demo.task import HIGH, LOW, demo_decision
+
+    found = Counter(_context(s, demo_decision(s, random.Random(s), 0.0, "found")) for s in range(LOW, HIGH + 1))
+    assert len(found) == 15 and set(found.values()) == {1}
+    rng, draws = random.Random(2), 30_000
+    anyturn: Counter[tuple[str, ...]] = Counter()
+    for _ in range(draws):
+        s = rng.randint(LOW, HIGH)
+        anyturn[_context(s, demo_decision(s, rng, 0.0, "any"))] += 1
+    assert set(anyturn) == set(found)
+    assert anyturn[()] / draws == pytest.approx(16 / 45, abs=0.015)  # 1/15 + 2/30 + 4/45 + 8/60
+    leaf = anyturn[("8:higher", "12:higher", "14:lower")] / draws
+    assert leaf == pytest.approx(1 / 60, abs=0.004)
+
+
+def test_the_demonstration_turn_is_keyed_and_checked_and_the_default_keeps_its_key() -> None:
+    """A "found" build never reuses an "any" one; the default's key is the one builds had before the
+    field existed (its folder name in every cache); an unknown turn fails in one line."""
+    import random
+
+    from trainer_backend.demo.task import demo_decision
+
+    assert WarmStartConfig(precision="fp32").key() == "18b9ee403f"
+    assert WarmStartConfig(precision="fp32", demo_turn="found").key() != "18b9ee403f"
+    with pytest.raises(ValueError, match="demo_turn must be one of any, found, not 'last'"):
+        WarmStartConfig(demo_turn="last").resolved()
+    with pytest.raises(ValueError, match="turn must be one of any, found, not 'last'"):
+        demo_decision(3, random.Random(0), 0.35, "last")

@@ -15,6 +15,7 @@ from typing import Any
 from trainer_backend.algorithms.registry import ALGORITHMS
 from trainer_backend.demo.report import plot_curve
 from trainer_backend.demo.run import DemoConfig, run_demo
+from trainer_backend.demo.task import DEMO_TURNS
 
 # The team task trains LoRA adapters (rank 16, alpha 16): they take a higher lr than the whole
 # model (docs/policies.md has the runs).
@@ -119,6 +120,9 @@ def add_cli(sub: Any) -> None:
                    help="RL budget in steps (the lr schedule decays over it); --minutes still caps the time")
     p.add_argument("--warm-start-precision", choices=("auto", "bf16", "fp32"), default=d.warm_start_precision,
                    help="warm-start SFT precision (auto: bf16 only where the CPU computes it natively and faster)")
+    p.add_argument("--warm-start-turn", choices=DEMO_TURNS, default=d.warm_start_turn,
+                   help="the turn each SFT demonstration ends on: any (along the secret's path) or found (where "
+                        "bisection finds it: every context of the tree equally often)")
     p.add_argument("--sit-out-uniform", type=probability, default=d.sit_out_uniform, metavar="P",
                    help="chance that a task whose last group came back uniform (no signal) sits out its next "
                         "turn (default %(default)g; acts from the second epoch over the train tasks)")
@@ -185,6 +189,7 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
                       dual_clip=args.dual_clip if args.dual_clip and args.dual_clip > 0 else None, algo=args.algo,
                       lr_end=r["lr_end"], lr_warmup_steps=max(0, r["lr_warmup_steps"]),
                       sft_steps=args.sft_steps, warm_start_precision=args.warm_start_precision,
+                      warm_start_turn=args.warm_start_turn,
                       rl_precision=args.rl_precision, sit_out_uniform=args.sit_out_uniform,
                       threads=args.threads, model_dir=None if smol else args.model,
                       max_steps=args.max_steps, greedy=not args.no_greedy, rewards=args.rewards,

@@ -91,6 +91,7 @@ class DemoConfig:
     dual_clip: float | None = 3.0  # c > 1: bound -A*ratio at -A*c for A < 0 (stale rollouts' large ratios)
     sft_steps: int | None = None  # None: WarmStartConfig's default
     warm_start_precision: str = "auto"  # bf16 autocast where native and faster, else fp32
+    warm_start_turn: str = "any"  # the turn each SFT demonstration ends on (task.demo_decision)
     # RL's engine precision (TorchEngineConfig.precision): fp32 by default, as the recipes were tuned;
     # "bf16" (fp32 master weights) trains SmolLM2 2.3x faster on AMX (docs/benchmarks.md)
     rl_precision: str = "fp32"
@@ -190,7 +191,8 @@ class DemoRun:
     def warm_start(self) -> None:
         cfg = self.cfg
         ws = WarmStartConfig(seed=cfg.warm_start_seed, precision=cfg.warm_start_precision,
-                             sft_steps=cfg.sft_steps or WarmStartConfig.sft_steps).resolved()
+                             sft_steps=cfg.sft_steps or WarmStartConfig.sft_steps,
+                             demo_turn=cfg.warm_start_turn).resolved()
         self.results["warm_start"] = asdict(ws)
         say(f"[1/5] warm start (cached under {lightning_home() / 'demo'})")
         say(f"      SFT in {ws.precision} ({'native bf16' if ws.precision == 'bf16' else 'no fast bf16 on this CPU'})")

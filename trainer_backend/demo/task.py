@@ -65,14 +65,24 @@ def bisection_guesses(secret: int) -> list[int]:
         lo, hi = (g + 1, hi) if secret > g else (lo, g - 1)
 
 
-def demo_decision(secret: int, rng: random.Random, eps: float) -> list[int]:
-    """One SFT demonstration: the exact-bisection guesses before a random turn k, then the
-    guess at turn k, which with probability eps is drawn uniformly from the range still
-    consistent with the answers (else the midpoint). The SFT loss covers only that last guess,
-    and every context is on the bisection tree: the warm-started policy knows the tree (greedy
-    is near-perfect) but at temperature 1 picks the midpoint only ~1-eps of the time."""
+DEMO_TURNS = ("any", "found")
+
+
+def demo_decision(secret: int, rng: random.Random, eps: float, turn: str = "any") -> list[int]:
+    """One SFT demonstration: the exact-bisection guesses before a turn k, then the guess at
+    turn k, which with probability eps is drawn uniformly from the range still consistent with
+    the answers (else the midpoint). The SFT loss covers only that last guess, and every context
+    is on the bisection tree: the warm-started policy knows the tree (greedy is near-perfect) but
+    at temperature 1 picks the midpoint only ~1-eps of the time.
+
+    `turn`: "any" draws k uniformly along the secret's path, so over uniform secrets the first
+    guess's context ends 36% of the demonstrations and each of the 8 last-guess contexts 1.7%;
+    "found" takes the turn where bisection finds the secret, and since each of the tree's 15
+    contexts is the one where exactly one secret is found, each gets 1/15."""
     clean = bisection_guesses(secret)
-    k = rng.randrange(len(clean))
+    if turn not in DEMO_TURNS:
+        raise ValueError(f"demonstration turn must be one of {', '.join(DEMO_TURNS)}, not {turn!r}")
+    k = rng.randrange(len(clean)) if turn == "any" else len(clean) - 1
     lo, hi = LOW, HIGH
     for g in clean[:k]:
         lo, hi = (g + 1, hi) if secret > g else (lo, g - 1)

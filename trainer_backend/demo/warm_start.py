@@ -27,6 +27,7 @@ from typing import Any
 from trainer_backend.caching import build_once
 from trainer_backend.demo.sft import CoreShare, backward_batch
 from trainer_backend.demo.task import (
+    DEMO_TURNS,
     HIGH,
     LOW,
     MAX_GUESSES,
@@ -64,6 +65,7 @@ class WarmStartConfig:
     heads: int = 4
     sft_steps: int = 250
     noise: float = 0.35  # share of demonstrated decisions drawn at random from the consistent range
+    demo_turn: str = "any"  # which turn a demonstration ends on (task.demo_decision)
     demos: int = 3000
     batch_size: int = 32
     lr: float = 3e-3
@@ -87,13 +89,18 @@ class WarmStartConfig:
 
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"warm-start precision must be auto, bf16 or fp32, not {self.precision!r}")
+        if self.demo_turn not in DEMO_TURNS:
+            raise ValueError(f"warm-start demo_turn must be one of {', '.join(DEMO_TURNS)}, not {self.demo_turn!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"warm-start lr_schedule must be one of {', '.join(LR_SCHEDULES)}, "
                              f"not {self.lr_schedule!r}")
         return replace(self, precision=resolve_precision(self.precision))
 
     def key(self) -> str:
-        return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+        fields = asdict(self)
+        if fields["demo_turn"] == "any":  # added later: the builds from before it keep their folders
+            del fields["demo_turn"]
+        return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def _render(tok: Any, msgs: list[dict[str, Any]], generation_prompt: bool) -> str:
@@ -185,7 +192,7 @@ def _build(out: Path, cfg: WarmStartConfig, progress: bool, save_at: Sequence[in
     examples = []
     for _ in range(cfg.demos):
         secret = demo_rng.randint(LOW, HIGH)
-        g = tuple(demo_decision(secret, demo_rng, cfg.noise))
+        g = tuple(demo_decision(secret, demo_rng, cfg.noise, cfg.demo_turn))
         if (secret, *g) not in cache:
             cache[(secret, *g)] = sft_example(tok, secret, g, last_only=True)
         examples.append(cache[(secret, *g)])
@@ -268,6 +275,7 @@ def _main(argv: Sequence[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sft-steps", type=int, default=WarmStartConfig.sft_steps)
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
+    p.add_argument("--demo-turn", choices=DEMO_TURNS, default=WarmStartConfig.demo_turn)
     a = p.parse_args(argv)
     if a.last_guesses:
         for row in last_guesses(a.last_guesses):
@@ -276,7 +284,8 @@ def _main(argv: Sequence[str]) -> int:
         return 0
     if not a.out_dir:
         p.error("give the folder to build the warm start in, or --last-guesses MODEL_DIR")
-    print(warm_start(a.out_dir, WarmStartConfig(seed=a.seed, sft_steps=a.sft_steps, precision=a.precision)))
+    print(warm_start(a.out_dir, WarmStartConfig(seed=a.seed, sft_steps=a.sft_steps, precision=a.precision,
+                                                          demo_turn=a.demo_turn)))
     return 0
 
 
