@@ -3,6 +3,7 @@ and the curve it keeps beside the model."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -140,3 +141,35 @@ def test_the_demonstration_turn_is_keyed_and_checked_and_the_default_keeps_its_k
         WarmStartConfig(demo_turn="last").resolved()
     with pytest.raises(ValueError, match="turn must be one of any, found, not 'last'"):
         demo_decision(3, random.Random(0), 0.35, "last")
+
+
+def test_a_habit_makes_the_lowest_of_three_the_majority_and_nothing_else() -> None:
+    """With habit h a 3-number range is demonstrated with its lowest in h + (1 - h) * eps / 3 of the
+    draws, so at 0.5 the lowest outweighs the midpoint (what greedy decoding then keeps); wider and
+    single-number ranges are untouched, and habit 0 draws exactly the demonstrations it drew before."""
+    import random
+    from collections import Counter
+
+    from trainer_backend.demo.task import demo_decision
+
+    rng, draws = random.Random(3), 20_000
+    third: Counter[int] = Counter()  # secret 11's third guess, after 8 higher and 12 lower: the range 9..11
+    first: Counter[int] = Counter()  # secret 11's first guess: the range 1..15
+    for _ in range(draws):
+        g = demo_decision(11, rng, 0.35, "any", 0.5)
+        (third if len(g) == 3 else first if len(g) == 1 else Counter())[g[-1]] += 1
+        assert len(g) != 4 or g[-1] == 11  # one number left: no habit, no noise
+    n3, n1 = sum(third.values()), sum(first.values())
+    assert third[9] / n3 == pytest.approx(0.5 + 0.5 * 0.35 / 3, abs=0.02)
+    assert third[10] / n3 == pytest.approx(0.5 * (0.65 + 0.35 / 3), abs=0.02) and third[9] > third[10]
+    assert first[8] / n1 == pytest.approx(0.65 + 0.35 / 15, abs=0.02)
+    # the default warm start's 3,000 demonstrations, as its build draws them, hashed with the code before
+    # `turn` and `habit` existed: its cached folder (the key, tested above) still holds what they give
+    demo_rng, demos = random.Random("demos:0"), []
+    for _ in range(3000):
+        secret = demo_rng.randint(1, 15)
+        demos.append(demo_decision(secret, demo_rng, 0.35, "any", 0.0))
+    assert hashlib.sha1(repr(demos).encode()).hexdigest()[:12] == "8bc1feebefe9"
+    assert WarmStartConfig(precision="fp32", habit=0.5).key() != WarmStartConfig(precision="fp32").key()
+    with pytest.raises(ValueError, match=r"habit must be a probability in \[0, 1\], not 1.5"):
+        WarmStartConfig(habit=1.5).resolved()

@@ -78,7 +78,7 @@ def temperature(value: str) -> float:
 
 
 def probability(value: str) -> float:
-    """--sit-out-uniform: a chance in [0, 1]."""
+    """--sit-out-uniform, --warm-start-habit: a chance in [0, 1]."""
     return _number_in(value, lambda p: 0 <= p <= 1, "a probability from 0 to 1")
 
 
@@ -123,6 +123,9 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--warm-start-turn", choices=DEMO_TURNS, default=d.warm_start_turn,
                    help="the turn each SFT demonstration ends on: any (along the secret's path) or found (where "
                         "bisection finds it: every context of the tree equally often)")
+    p.add_argument("--warm-start-habit", type=probability, default=d.warm_start_habit, metavar="P",
+                   help="share of the SFT's 3-number ranges demonstrated with their lowest number: a systematic "
+                        "error greedy decoding keeps above ~0.4 (default 0: none)")
     p.add_argument("--sit-out-uniform", type=probability, default=d.sit_out_uniform, metavar="P",
                    help="chance that a task whose last group came back uniform (no signal) sits out its next "
                         "turn (default %(default)g; acts from the second epoch over the train tasks)")
@@ -189,7 +192,7 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
                       dual_clip=args.dual_clip if args.dual_clip and args.dual_clip > 0 else None, algo=args.algo,
                       lr_end=r["lr_end"], lr_warmup_steps=max(0, r["lr_warmup_steps"]),
                       sft_steps=args.sft_steps, warm_start_precision=args.warm_start_precision,
-                      warm_start_turn=args.warm_start_turn,
+                      warm_start_turn=args.warm_start_turn, warm_start_habit=args.warm_start_habit,
                       rl_precision=args.rl_precision, sit_out_uniform=args.sit_out_uniform,
                       threads=args.threads, model_dir=None if smol else args.model,
                       max_steps=args.max_steps, greedy=not args.no_greedy, rewards=args.rewards,

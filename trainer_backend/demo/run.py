@@ -92,6 +92,7 @@ class DemoConfig:
     sft_steps: int | None = None  # None: WarmStartConfig's default
     warm_start_precision: str = "auto"  # bf16 autocast where native and faster, else fp32
     warm_start_turn: str = "any"  # the turn each SFT demonstration ends on (task.demo_decision)
+    warm_start_habit: float = 0.0  # share of 3-number ranges demonstrated with their lowest (ditto)
     # RL's engine precision (TorchEngineConfig.precision): fp32 by default, as the recipes were tuned;
     # "bf16" (fp32 master weights) trains SmolLM2 2.3x faster on AMX (docs/benchmarks.md)
     rl_precision: str = "fp32"
@@ -192,7 +193,7 @@ class DemoRun:
         cfg = self.cfg
         ws = WarmStartConfig(seed=cfg.warm_start_seed, precision=cfg.warm_start_precision,
                              sft_steps=cfg.sft_steps or WarmStartConfig.sft_steps,
-                             demo_turn=cfg.warm_start_turn).resolved()
+                             demo_turn=cfg.warm_start_turn, habit=cfg.warm_start_habit).resolved()
         self.results["warm_start"] = asdict(ws)
         say(f"[1/5] warm start (cached under {lightning_home() / 'demo'})")
         say(f"      SFT in {ws.precision} ({'native bf16' if ws.precision == 'bf16' else 'no fast bf16 on this CPU'})")

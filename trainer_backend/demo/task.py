@@ -68,7 +68,7 @@ def bisection_guesses(secret: int) -> list[int]:
 DEMO_TURNS = ("any", "found")
 
 
-def demo_decision(secret: int, rng: random.Random, eps: float, turn: str = "any") -> list[int]:
+def demo_decision(secret: int, rng: random.Random, eps: float, turn: str = "any", habit: float = 0.0) -> list[int]:
     """One SFT demonstration: the exact-bisection guesses before a turn k, then the guess at
     turn k, which with probability eps is drawn uniformly from the range still consistent with
     the answers (else the midpoint). The SFT loss covers only that last guess, and every context
@@ -78,7 +78,12 @@ def demo_decision(secret: int, rng: random.Random, eps: float, turn: str = "any"
     `turn`: "any" draws k uniformly along the secret's path, so over uniform secrets the first
     guess's context ends 36% of the demonstrations and each of the 8 last-guess contexts 1.7%;
     "found" takes the turn where bisection finds the secret, and since each of the tree's 15
-    contexts is the one where exactly one secret is found, each gets 1/15."""
+    contexts is the one where exactly one secret is found, each gets 1/15.
+
+    `habit`: with this probability a guess among three consistent numbers is the lowest, before
+    the noise is drawn: a systematic error, which greedy decoding keeps where it outweighs the
+    midpoint (habit above ~0.4 at eps 0.35). It costs a game one of the three secrets, so a
+    policy that has it leaves RL something to fix at greedy, not only at temperature 1."""
     clean = bisection_guesses(secret)
     if turn not in DEMO_TURNS:
         raise ValueError(f"demonstration turn must be one of {', '.join(DEMO_TURNS)}, not {turn!r}")
@@ -86,7 +91,10 @@ def demo_decision(secret: int, rng: random.Random, eps: float, turn: str = "any"
     lo, hi = LOW, HIGH
     for g in clean[:k]:
         lo, hi = (g + 1, hi) if secret > g else (lo, g - 1)
-    last = rng.randint(lo, hi) if rng.random() < eps else clean[k]
+    if habit and hi - lo == 2 and rng.random() < habit:  # no draw at habit 0: the same demonstrations as before
+        last = lo
+    else:
+        last = rng.randint(lo, hi) if rng.random() < eps else clean[k]
     return clean[:k] + [last]
 
 

@@ -66,6 +66,7 @@ class WarmStartConfig:
     sft_steps: int = 250
     noise: float = 0.35  # share of demonstrated decisions drawn at random from the consistent range
     demo_turn: str = "any"  # which turn a demonstration ends on (task.demo_decision)
+    habit: float = 0.0  # share of 3-number ranges demonstrated with their lowest (task.demo_decision)
     demos: int = 3000
     batch_size: int = 32
     lr: float = 3e-3
@@ -91,6 +92,8 @@ class WarmStartConfig:
             raise ValueError(f"warm-start precision must be auto, bf16 or fp32, not {self.precision!r}")
         if self.demo_turn not in DEMO_TURNS:
             raise ValueError(f"warm-start demo_turn must be one of {', '.join(DEMO_TURNS)}, not {self.demo_turn!r}")
+        if not 0.0 <= self.habit <= 1.0:
+            raise ValueError(f"warm-start habit must be a probability in [0, 1], not {self.habit!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"warm-start lr_schedule must be one of {', '.join(LR_SCHEDULES)}, "
                              f"not {self.lr_schedule!r}")
@@ -98,8 +101,9 @@ class WarmStartConfig:
 
     def key(self) -> str:
         fields = asdict(self)
-        if fields["demo_turn"] == "any":  # added later: the builds from before it keep their folders
-            del fields["demo_turn"]
+        for name, default in (("demo_turn", "any"), ("habit", 0.0)):  # added later: at their defaults
+            if fields[name] == default:  # left out, so the builds from before them keep their folders
+                del fields[name]
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -192,7 +196,7 @@ def _build(out: Path, cfg: WarmStartConfig, progress: bool, save_at: Sequence[in
     examples = []
     for _ in range(cfg.demos):
         secret = demo_rng.randint(LOW, HIGH)
-        g = tuple(demo_decision(secret, demo_rng, cfg.noise, cfg.demo_turn))
+        g = tuple(demo_decision(secret, demo_rng, cfg.noise, cfg.demo_turn, cfg.habit))
         if (secret, *g) not in cache:
             cache[(secret, *g)] = sft_example(tok, secret, g, last_only=True)
         examples.append(cache[(secret, *g)])
@@ -276,6 +280,7 @@ def _main(argv: Sequence[str]) -> int:
     p.add_argument("--sft-steps", type=int, default=WarmStartConfig.sft_steps)
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
     p.add_argument("--demo-turn", choices=DEMO_TURNS, default=WarmStartConfig.demo_turn)
+    p.add_argument("--habit", type=float, default=WarmStartConfig.habit)
     a = p.parse_args(argv)
     if a.last_guesses:
         for row in last_guesses(a.last_guesses):
@@ -285,7 +290,7 @@ def _main(argv: Sequence[str]) -> int:
     if not a.out_dir:
         p.error("give the folder to build the warm start in, or --last-guesses MODEL_DIR")
     print(warm_start(a.out_dir, WarmStartConfig(seed=a.seed, sft_steps=a.sft_steps, precision=a.precision,
-                                                          demo_turn=a.demo_turn)))
+                                                          demo_turn=a.demo_turn, habit=a.habit)))
     return 0
 
 
