@@ -13,7 +13,8 @@ for rewarded completions (tests/demo/learning.py), which needs no held-out sampl
 gain needs hundreds of episodes twice to rise above its sampling noise: these runs measure it.
 Prints one JSON object: the gain, the margin asked for, and whether it was met, with sampled (T=1) and
 greedy success before and after (issue 32: every proof reports both). The margin is on the
-sampled gain for the demos and on the greedy one for BFCL and reasoning-gym (what a deployed agent sees).
+sampled gain for the team and arith demos and on the greedy one for the guessing game, BFCL and
+reasoning-gym (what a deployed agent sees).
 Each is also a plain `lightning-mw demo` command (printed as `command`).
 """
 
@@ -37,8 +38,9 @@ from trainer_backend.demo.run import DemoRun, run_demo
 
 # task: (the demo's flags, the held-out gain asked for, in pp)
 PROOFS: dict[str, tuple[list[str], float]] = {
-    # 40 steps: +16.4 pp (bf16 warm start), +12.9 pp (fp32, AVX2); 512 tasks: ~3.1 pp of noise
-    "guess": (["--max-steps", "40", "--minutes", "8", "--eval-tasks", "512"], 6.0),
+    # the issue's goal: +5 pp at greedy. 40 steps from the warm start with the habit (AVX2, RL seeds 0-2):
+    # greedy +30.1, +34.0, +35.5 pp (10 -> 15 of 15 secrets), sampled +26.4, +25.0, +19.7 pp (docs/demo.md)
+    "guess": (["--max-steps", "40", "--minutes", "8", "--eval-tasks", "512"], 5.0),
     # +21.9, +12.1, +18.4, +19.5 pp measured (docs/policies.md); 256 tasks: ~4.4 pp of noise
     "team": (["--task", "team", "--max-steps", "20", "--minutes", "10", "--eval-tasks", "256"], 5.0),
     # +9.4 and +10.9 pp (docs/demo.md, "SmolLM2 CI test"); 128 problems: ~5.4 pp of noise
@@ -52,7 +54,7 @@ PROOFS: dict[str, tuple[list[str], float]] = {
     "rg-arith": (["--task", "rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=2"], 10.0),
     "rg-chain": (["--task", "rg:chain_sum?min_terms=2&max_terms=2&min_digits=2&max_digits=2"], 10.0),
 }
-GREEDY_MARGIN = {"bfcl", "rg-arith", "rg-chain"}  # the proofs whose margin is on greedy success
+GREEDY_MARGIN = {"guess", "bfcl", "rg-arith", "rg-chain"}  # the proofs whose margin is on greedy success
 
 
 def run_proof(task: str, seed: int, out: Path, extra: Sequence[str] = ()) -> dict[str, Any]:

@@ -129,14 +129,15 @@ def test_found_turns_give_every_tree_context_the_same_share() -> None:
 
 
 def test_the_demonstration_turn_is_keyed_and_checked_and_the_default_keeps_its_key() -> None:
-    """A "found" build never reuses an "any" one; the default's key is the one builds had before the
-    field existed (its folder name in every cache); an unknown turn fails in one line."""
+    """A "found" build never reuses an "any" one; the builds from before the field existed keep their
+    keys (the folder names in every cache); an unknown turn fails in one line."""
     import random
 
     from trainer_backend.demo.task import demo_decision
 
-    assert WarmStartConfig(precision="fp32").key() == "18b9ee403f"
-    assert WarmStartConfig(precision="fp32", demo_turn="found").key() != "18b9ee403f"
+    assert WarmStartConfig(precision="fp32", demo_turn="any", habit=0.0).key() == "18b9ee403f"
+    assert WarmStartConfig(precision="fp32", demo_turn="found", habit=0.0).key() != "18b9ee403f"
+    assert WarmStartConfig(precision="fp32").key() not in ("18b9ee403f", WarmStartConfig(demo_turn="any").key())
     with pytest.raises(ValueError, match="demo_turn must be one of any, found, not 'last'"):
         WarmStartConfig(demo_turn="last").resolved()
     with pytest.raises(ValueError, match="turn must be one of any, found, not 'last'"):
@@ -170,6 +171,6 @@ def test_a_habit_makes_the_lowest_of_three_the_majority_and_nothing_else() -> No
         secret = demo_rng.randint(1, 15)
         demos.append(demo_decision(secret, demo_rng, 0.35, "any", 0.0))
     assert hashlib.sha1(repr(demos).encode()).hexdigest()[:12] == "8bc1feebefe9"
-    assert WarmStartConfig(precision="fp32", habit=0.5).key() != WarmStartConfig(precision="fp32").key()
+    assert WarmStartConfig(precision="fp32", habit=0.0).key() != WarmStartConfig(precision="fp32").key()
     with pytest.raises(ValueError, match=r"habit must be a probability in \[0, 1\], not 1.5"):
         WarmStartConfig(habit=1.5).resolved()

@@ -122,10 +122,10 @@ def add_cli(sub: Any) -> None:
                    help="warm-start SFT precision (auto: bf16 only where the CPU computes it natively and faster)")
     p.add_argument("--warm-start-turn", choices=DEMO_TURNS, default=d.warm_start_turn,
                    help="the turn each SFT demonstration ends on: any (along the secret's path) or found (where "
-                        "bisection finds it: every context of the tree equally often)")
+                        f"bisection finds it: every context of the tree equally often; default {d.warm_start_turn})")
     p.add_argument("--warm-start-habit", type=probability, default=d.warm_start_habit, metavar="P",
                    help="share of the SFT's 3-number ranges demonstrated with their lowest number: a systematic "
-                        "error greedy decoding keeps above ~0.4 (default 0: none)")
+                        f"error greedy decoding keeps above ~0.4 (default {d.warm_start_habit:g}; 0: none)")
     p.add_argument("--sit-out-uniform", type=probability, default=d.sit_out_uniform, metavar="P",
                    help="chance that a task whose last group came back uniform (no signal) sits out its next "
                         "turn (default %(default)g; acts from the second epoch over the train tasks)")

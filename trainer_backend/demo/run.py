@@ -91,8 +91,8 @@ class DemoConfig:
     dual_clip: float | None = 3.0  # c > 1: bound -A*ratio at -A*c for A < 0 (stale rollouts' large ratios)
     sft_steps: int | None = None  # None: WarmStartConfig's default
     warm_start_precision: str = "auto"  # bf16 autocast where native and faster, else fp32
-    warm_start_turn: str = "any"  # the turn each SFT demonstration ends on (task.demo_decision)
-    warm_start_habit: float = 0.0  # share of 3-number ranges demonstrated with their lowest (ditto)
+    warm_start_turn: str = WarmStartConfig.demo_turn  # the turn each SFT demonstration ends on
+    warm_start_habit: float = WarmStartConfig.habit  # share of 3-number ranges demonstrated with their lowest
     # RL's engine precision (TorchEngineConfig.precision): fp32 by default, as the recipes were tuned;
     # "bf16" (fp32 master weights) trains SmolLM2 2.3x faster on AMX (docs/benchmarks.md)
     rl_precision: str = "fp32"
