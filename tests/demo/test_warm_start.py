@@ -74,6 +74,11 @@ def test_guess_probs_weigh_each_call_in_the_range_given_only_what_the_agent_saw(
     rows = last_guesses(shrunk)
     assert [r["secret"] for r in rows] == [1, 3, 5, 7, 9, 11, 13, 15]
     assert rows[5]["before"] == [8, 12, 10] and 0 < rows[5]["p_correct"] < 1 and len(rows[5]["top"]) == 3
+    # the build keeps the same reading of itself beside the model, and how many leaves greedy gets right
+    kept = json.loads((shrunk / "warm_start.json").read_text())
+    assert [r["secret"] for r in kept["last_guesses"]] == [1, 3, 5, 7, 9, 11, 13, 15]
+    assert [r["p_correct"] for r in kept["last_guesses"]] == pytest.approx([r["p_correct"] for r in rows], rel=1e-4)
+    assert kept["leaves_right"] == sum(r["top"][0][0] == r["secret"] for r in rows)
 
 
 def _context(secret: int, guesses: list[int]) -> tuple[str, ...]:
@@ -174,3 +179,16 @@ def test_a_habit_makes_the_lowest_of_three_the_majority_and_nothing_else() -> No
     assert WarmStartConfig(precision="fp32", habit=0.0).key() != WarmStartConfig(precision="fp32").key()
     with pytest.raises(ValueError, match=r"habit must be a probability in \[0, 1\], not 1.5"):
         WarmStartConfig(habit=1.5).resolved()
+
+
+def test_the_demo_says_how_many_leaves_its_warm_start_gets_right(shrunk: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo's first stage reads the build's own reading of itself (warm_start.json) into its results
+    and its output, so a warm start that never learned the later answers is visible before any RL."""
+    from trainer_backend.demo.run import DemoConfig, DemoRun
+
+    run = DemoRun(DemoConfig(out_dir=str(tmp_path / "out"), model_dir=str(shrunk), warm_start_precision="fp32"))
+    run.warm_start()
+    right = run.results["warm_start"]["leaves_right"]
+    assert 0 <= right <= 8 and right == json.loads((shrunk / "warm_start.json").read_text())["leaves_right"]
+    assert f"greedy last guess right at {right} of 8 leaves of the bisection tree" in capsys.readouterr().out

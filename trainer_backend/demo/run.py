@@ -29,6 +29,7 @@ Ctrl-C stops everything (controller, trainer, server).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -200,6 +201,12 @@ class DemoRun:
         t0 = time.perf_counter()
         if self.model_dir is None:
             self.model_dir = warm_start(lightning_home() / "demo" / f"warmstart-{ws.key()}", ws, progress=cfg.progress)
+        record = self.model_dir / "warm_start.json"  # a --model folder may be a warm start too
+        kept = json.loads(record.read_text()) if record.exists() else {}
+        if "leaves_right" in kept:  # builds since 2026-12-07 read their own last guesses
+            self.results["warm_start"]["leaves_right"] = kept["leaves_right"]
+            say(f"      greedy last guess right at {kept['leaves_right']} of {len(kept['last_guesses'])} "
+                "leaves of the bisection tree")
         self.timings["warm_start_s"] = time.perf_counter() - t0
         self.results["model_dir"] = str(self.model_dir)
 

@@ -233,7 +233,14 @@ def _build(out: Path, cfg: WarmStartConfig, progress: bool, save_at: Sequence[in
         if progress and (step % 10 == 0 or step == cfg.sft_steps - 1):
             print(f"  warm start step {step + 1}/{cfg.sft_steps}  loss {loss:.3f}", flush=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    kept = {**asdict(cfg), "seconds": time.perf_counter() - t0, "curve": curve}
+    model.eval()
+    leaves = last_guesses_of(model, tok)
+    right = sum(1 for row in leaves if row["top"][0][0] == row["secret"])
+    if right < len(leaves):  # a build that never learned to read the later answers: RL only sharpens it
+        log.warning("the warm start's greedy last guess is right at %d of %d leaves of the bisection tree "
+                    "(docs/demo.md, 'A warm start that reads every answer')", right, len(leaves))
+    kept = {**asdict(cfg), "seconds": time.perf_counter() - t0, "curve": curve,
+            "leaves_right": right, "last_guesses": leaves}
     (tmp / "warm_start.json").write_text(json.dumps(kept))
     (tmp / ".done").write_text("ok")
     shutil.rmtree(out, ignore_errors=True)
@@ -266,6 +273,11 @@ def last_guesses(model_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return last_guesses_of(model, tok)
+
+
+def last_guesses_of(model: Any, tok: Any) -> list[dict[str, Any]]:
+    """`last_guesses` of a loaded model (in eval mode) and its tokenizer."""
     rows = []
     for secret in range(LOW, HIGH + 1):
         path = bisection_guesses(secret)
