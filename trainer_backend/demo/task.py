@@ -72,8 +72,9 @@ def demo_decision(secret: int, rng: random.Random, eps: float, turn: str = "any"
     """One SFT demonstration: the exact-bisection guesses before a turn k, then the guess at
     turn k, which with probability eps is drawn uniformly from the range still consistent with
     the answers (else the midpoint). The SFT loss covers only that last guess, and every context
-    is on the bisection tree: the warm-started policy knows the tree (greedy is near-perfect) but
-    at temperature 1 picks the midpoint only ~1-eps of the time.
+    is on the bisection tree: the warm-started policy knows the tree (without a habit, greedy is
+    near-perfect where it tells the contexts apart) but at temperature 1 picks the midpoint only
+    ~1-eps of the time.
 
     `turn`: "any" draws k uniformly along the secret's path, so over uniform secrets the first
     guess's context ends 36% of the demonstrations and each of the 8 last-guess contexts 1.7%;
