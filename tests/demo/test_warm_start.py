@@ -133,7 +133,7 @@ def test_found_turns_give_every_tree_context_the_same_share() -> None:
     assert leaf == pytest.approx(1 / 60, abs=0.004)
 
 
-def test_the_demonstration_turn_is_keyed_and_checked_and_the_default_keeps_its_key() -> None:
+def test_the_demonstration_turn_is_keyed_and_checked_and_older_builds_keep_their_keys() -> None:
     """A "found" build never reuses an "any" one; the builds from before the field existed keep their
     keys (the folder names in every cache); an unknown turn fails in one line."""
     import random
