@@ -192,3 +192,40 @@ def test_the_demo_says_how_many_leaves_its_warm_start_gets_right(shrunk: Path, t
     right = run.results["warm_start"]["leaves_right"]
     assert 0 <= right <= 8 and right == json.loads((shrunk / "warm_start.json").read_text())["leaves_right"]
     assert f"greedy last guess right at {right} of 8 leaves of the bisection tree" in capsys.readouterr().out
+
+
+def test_a_build_that_reads_too_few_leaves_runs_its_schedule_again(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """With max_rounds, a build whose greedy last guess is wrong at a leaf runs the whole schedule again
+    (warm-up included) from the weights it ended on, and stops at the bound or once every leaf is read;
+    warm_start.json keeps each round's reading and every step's lr."""
+    pytest.importorskip("transformers")
+    from dataclasses import replace
+
+    from trainer_backend.demo.run import DemoConfig, DemoRun
+    from trainer_backend.demo.warm_start import warm_start
+    from trainer_backend.engines.torch_config import schedule_factor
+
+    cfg = replace(SHRUNK, max_rounds=3)
+    built = warm_start(tmp_path / "ws", cfg, progress=False, threads=1)
+    kept = json.loads((built / "warm_start.json").read_text())
+    by_round = kept["leaves_right_by_round"]
+    assert by_round[0] < 8  # eight steps on 64 demonstrations read no tree: the case this exists for
+    rounds = by_round.index(8) + 1 if 8 in by_round else 3
+    assert len(by_round) == rounds >= 2 and kept["leaves_right"] == by_round[-1]
+    assert kept["max_rounds"] == 3 and len(kept["curve"]["loss"]) == 8 * rounds
+    one = [cfg.lr * schedule_factor(k, "linear", 2, 8, 0.1) for k in range(8)]
+    assert kept["curve"]["lr"] == pytest.approx(one * rounds)  # each round from its warm-up
+    assert len(kept["last_guesses"]) == 8 and sum(
+        row["top"][0][0] == row["secret"] for row in kept["last_guesses"]) == by_round[-1]
+    DemoRun(DemoConfig(out_dir=str(tmp_path / "out"), model_dir=str(built), warm_start_precision="fp32")).warm_start()
+    assert f"right at {by_round[-1]} of 8 leaves of the bisection tree after {rounds} runs of the SFT schedule" \
+        in capsys.readouterr().out
+
+
+def test_rounds_are_keyed_and_checked_and_one_round_keeps_older_keys() -> None:
+    pytest.importorskip("torch")
+    assert WarmStartConfig(precision="fp32", demo_turn="any", habit=0.0, max_rounds=1).key() == "18b9ee403f"
+    assert WarmStartConfig(max_rounds=2).key() != WarmStartConfig(max_rounds=1).key()
+    with pytest.raises(ValueError, match="max_rounds must be at least 1, not 0"):
+        WarmStartConfig(max_rounds=0).resolved()

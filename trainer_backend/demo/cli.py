@@ -126,6 +126,9 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--warm-start-habit", type=probability, default=d.warm_start_habit, metavar="P",
                    help="share of the SFT's 3-number ranges demonstrated with their lowest number: a systematic "
                         f"error greedy decoding keeps above ~0.4 (default {d.warm_start_habit:g}; 0: none)")
+    p.add_argument("--warm-start-rounds", type=positive, default=d.warm_start_rounds, metavar="N",
+                   help="runs of the SFT schedule at most: another from where one ended while the greedy last "
+                        f"guess is wrong at a leaf of the bisection tree (default {d.warm_start_rounds})")
     p.add_argument("--sit-out-uniform", type=probability, default=d.sit_out_uniform, metavar="P",
                    help="chance that a task whose last group came back uniform (no signal) sits out its next "
                         "turn (default %(default)g; acts from the second epoch over the train tasks)")
@@ -193,6 +196,7 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
                       lr_end=r["lr_end"], lr_warmup_steps=max(0, r["lr_warmup_steps"]),
                       sft_steps=args.sft_steps, warm_start_precision=args.warm_start_precision,
                       warm_start_turn=args.warm_start_turn, warm_start_habit=args.warm_start_habit,
+                      warm_start_rounds=args.warm_start_rounds,
                       rl_precision=args.rl_precision, sit_out_uniform=args.sit_out_uniform,
                       threads=args.threads, model_dir=None if smol else args.model,
                       max_steps=args.max_steps, greedy=not args.no_greedy, rewards=args.rewards,

@@ -94,6 +94,7 @@ class DemoConfig:
     warm_start_precision: str = "auto"  # bf16 autocast where native and faster, else fp32
     warm_start_turn: str = WarmStartConfig.demo_turn  # the turn each SFT demonstration ends on
     warm_start_habit: float = WarmStartConfig.habit  # share of 3-number ranges demonstrated with their lowest
+    warm_start_rounds: int = WarmStartConfig.max_rounds  # runs of the SFT schedule while a leaf is read wrong
     # RL's engine precision (TorchEngineConfig.precision): fp32 by default, as the recipes were tuned;
     # "bf16" (fp32 master weights) trains SmolLM2 2.3x faster on AMX (docs/benchmarks.md)
     rl_precision: str = "fp32"
@@ -194,7 +195,8 @@ class DemoRun:
         cfg = self.cfg
         ws = WarmStartConfig(seed=cfg.warm_start_seed, precision=cfg.warm_start_precision,
                              sft_steps=cfg.sft_steps or WarmStartConfig.sft_steps,
-                             demo_turn=cfg.warm_start_turn, habit=cfg.warm_start_habit).resolved()
+                             demo_turn=cfg.warm_start_turn, habit=cfg.warm_start_habit,
+                             max_rounds=cfg.warm_start_rounds).resolved()
         self.results["warm_start"] = asdict(ws)
         say(f"[1/5] warm start (cached under {lightning_home() / 'demo'})")
         say(f"      SFT in {ws.precision} ({'native bf16' if ws.precision == 'bf16' else 'no fast bf16 on this CPU'})")
@@ -205,8 +207,9 @@ class DemoRun:
         kept = json.loads(record.read_text()) if record.exists() else {}
         if "leaves_right" in kept:  # builds since 2026-12-07 read their own last guesses
             self.results["warm_start"]["leaves_right"] = kept["leaves_right"]
+            rounds = len(kept.get("leaves_right_by_round", [])) or 1
             say(f"      greedy last guess right at {kept['leaves_right']} of {len(kept['last_guesses'])} "
-                "leaves of the bisection tree")
+                "leaves of the bisection tree" + (f" after {rounds} runs of the SFT schedule" if rounds > 1 else ""))
         self.timings["warm_start_s"] = time.perf_counter() - t0
         self.results["model_dir"] = str(self.model_dir)
 

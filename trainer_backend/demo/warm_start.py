@@ -82,6 +82,10 @@ class WarmStartConfig:
     # different float summation order 74% (docs/demo.md, "The warm start's schedule").
     lr_schedule: str = "linear"
     min_lr_ratio: float = 0.0
+    # up to this many runs of the schedule: after the first, another from the weights it ended on while the
+    # greedy last guess is wrong at a leaf of the bisection tree. Some seeds sit on a loss plateau past the
+    # first run's decay (docs/demo.md, "A warm start that stalls").
+    max_rounds: int = 1
     # "auto": bf16 autocast where the CPU computes bf16 natively and faster than fp32, else fp32
     # (trainer_backend.engines.precision); resolved before the cache key, so an AVX2 machine's fp32 warm
     # start and an AVX512-BF16 machine's bf16 one never share a cache folder.
@@ -100,6 +104,8 @@ class WarmStartConfig:
             raise ValueError(f"warm-start demo_turn must be one of {', '.join(DEMO_TURNS)}, not {self.demo_turn!r}")
         if not 0.0 <= self.habit <= 1.0:
             raise ValueError(f"warm-start habit must be a probability in [0, 1], not {self.habit!r}")
+        if self.max_rounds < 1:
+            raise ValueError(f"warm-start max_rounds must be at least 1, not {self.max_rounds!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"warm-start lr_schedule must be one of {', '.join(LR_SCHEDULES)}, "
                              f"not {self.lr_schedule!r}")
@@ -109,7 +115,7 @@ class WarmStartConfig:
         fields = asdict(self)
         # added later: at the values every build had before they existed they are left out of the key,
         # so those builds keep their folders
-        for name, before in (("demo_turn", "any"), ("habit", 0.0)):
+        for name, before in (("demo_turn", "any"), ("habit", 0.0), ("max_rounds", 1)):
             if fields[name] == before:
                 del fields[name]
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
@@ -213,10 +219,12 @@ def _build(out: Path, cfg: WarmStartConfig, progress: bool, save_at: Sequence[in
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule_factor(
-        s, cfg.lr_schedule, cfg.warmup_steps, cfg.sft_steps, cfg.min_lr_ratio))
+        s % cfg.sft_steps, cfg.lr_schedule, cfg.warmup_steps, cfg.sft_steps, cfg.min_lr_ratio))
     rng = random.Random(cfg.seed)
     curve: dict[str, list[float]] = {"lr": [], "loss": []}  # per step, kept in warm_start.json
-    for step in range(cfg.sft_steps):
+    by_round: list[int] = []  # leaves read right after each run of the schedule
+    total = cfg.sft_steps * cfg.max_rounds
+    for step in range(total):
         batch = [examples[rng.randrange(len(examples))] for _ in range(cfg.batch_size)]
         curve["lr"].append(float(sched.get_last_lr()[0]))
         opt.zero_grad()
@@ -230,17 +238,26 @@ def _build(out: Path, cfg: WarmStartConfig, progress: bool, save_at: Sequence[in
         if step + 1 in save_at:  # tuning: snapshots next to the output (a shorter run would decay sooner)
             model.save_pretrained(tmp, safe_serialization=True)
             shutil.copytree(tmp, out.with_name(f"{out.name}-step{step + 1}"), dirs_exist_ok=True)
-        if progress and (step % 10 == 0 or step == cfg.sft_steps - 1):
-            print(f"  warm start step {step + 1}/{cfg.sft_steps}  loss {loss:.3f}", flush=True)
+        if progress and (step % 10 == 0 or (step + 1) % cfg.sft_steps == 0):
+            print(f"  warm start step {step + 1}/{total}  loss {loss:.3f}", flush=True)
+        if (step + 1) % cfg.sft_steps == 0:
+            model.eval()
+            leaves = last_guesses_of(model, tok)
+            model.train()
+            by_round.append(sum(1 for row in leaves if row["top"][0][0] == row["secret"]))
+            if by_round[-1] == len(leaves):
+                break
+            if step + 1 < total:
+                log.info("the warm start reads %d of %d leaves after %d steps: another %d", by_round[-1],
+                         len(leaves), step + 1, cfg.sft_steps)
     model.save_pretrained(tmp, safe_serialization=True)
     model.eval()
-    leaves = last_guesses_of(model, tok)
-    right = sum(1 for row in leaves if row["top"][0][0] == row["secret"])
+    right = by_round[-1]
     if right < len(leaves):  # a build that never learned to read the later answers: RL only sharpens it
         log.warning("the warm start's greedy last guess is right at %d of %d leaves of the bisection tree "
                     "(docs/demo.md, 'A warm start that reads every answer')", right, len(leaves))
     kept = {**asdict(cfg), "seconds": time.perf_counter() - t0, "curve": curve,
-            "leaves_right": right, "last_guesses": leaves}
+            "leaves_right": right, "leaves_right_by_round": by_round, "last_guesses": leaves}
     (tmp / "warm_start.json").write_text(json.dumps(kept))
     (tmp / ".done").write_text("ok")
     shutil.rmtree(out, ignore_errors=True)
@@ -301,6 +318,8 @@ def _main(argv: Sequence[str]) -> int:
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
     p.add_argument("--demo-turn", choices=DEMO_TURNS, default=WarmStartConfig.demo_turn)
     p.add_argument("--habit", type=float, default=WarmStartConfig.habit)
+    p.add_argument("--max-rounds", type=int, default=WarmStartConfig.max_rounds,
+                   help="runs of the SFT schedule at most: another while a leaf's last guess is wrong")
     a = p.parse_args(argv)
     if a.last_guesses:
         for row in last_guesses(a.last_guesses):
@@ -310,7 +329,8 @@ def _main(argv: Sequence[str]) -> int:
     if not a.out_dir:
         p.error("give the folder to build the warm start in, or --last-guesses MODEL_DIR")
     print(warm_start(a.out_dir, WarmStartConfig(seed=a.seed, sft_steps=a.sft_steps, precision=a.precision,
-                                                          demo_turn=a.demo_turn, habit=a.habit)))
+                                                          demo_turn=a.demo_turn, habit=a.habit,
+                                                          max_rounds=a.max_rounds)))
     return 0
 
 
