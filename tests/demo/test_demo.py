@@ -109,7 +109,8 @@ def test_cli_registers_demo() -> None:
     assert (cfg.warm_start_turn, cfg.warm_start_habit) == ("found", 0.5)  # the warm start that reads every answer
     plain = config_from(build_parser().parse_args(["demo", "--warm-start-turn", "any", "--warm-start-habit", "0"]))
     assert (plain.warm_start_turn, plain.warm_start_habit) == ("any", 0.0)
-    assert config_from(build_parser().parse_args(["demo", "--warm-start-rounds", "3"])).warm_start_rounds == 3
+    assert cfg.warm_start_rounds == 4 and config_from(
+        build_parser().parse_args(["demo", "--warm-start-rounds", "1"])).warm_start_rounds == 1
 
 
 def test_rl_samples_at_the_training_temperature(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
