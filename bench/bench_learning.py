@@ -39,7 +39,8 @@ from trainer_backend.demo.run import DemoRun, run_demo
 # task: (the demo's flags, the held-out gain asked for, in pp)
 PROOFS: dict[str, tuple[list[str], float]] = {
     # the goal: +5 pp at greedy. 40 steps from the warm start with the habit (AVX2, RL seeds 0-2):
-    # greedy +30.1, +34.0, +35.5 pp (10 -> 15 of 15 secrets), sampled +26.4, +25.0, +19.7 pp (docs/demo.md)
+    # greedy +30.1, +34.0, +35.5 pp (10 -> 15 of 15 secrets), sampled +26.4, +25.0, +19.7 pp; AVX512-BF16, the
+    # bf16 warm start read in two runs of its schedule, RL seed 0: greedy +30.1, sampled +34.2 pp (docs/demo.md)
     "guess": (["--max-steps", "40", "--minutes", "8", "--eval-tasks", "512"], 5.0),
     # +21.9, +12.1, +18.4, +19.5 pp measured (docs/policies.md); 256 tasks: ~4.4 pp of noise
     "team": (["--task", "team", "--max-steps", "20", "--minutes", "10", "--eval-tasks", "256"], 5.0),
