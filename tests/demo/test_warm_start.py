@@ -207,14 +207,14 @@ def test_a_build_that_reads_too_few_leaves_runs_its_schedule_again(tmp_path: Pat
     from trainer_backend.demo.warm_start import warm_start
     from trainer_backend.engines.torch_config import schedule_factor
 
-    cfg = replace(SHRUNK, max_rounds=3)
+    cfg = replace(SHRUNK, max_rounds=2)
     built = warm_start(tmp_path / "ws", cfg, progress=False, threads=1)
     kept = json.loads((built / "warm_start.json").read_text())
     by_round = kept["leaves_right_by_round"]
     assert by_round[0] < 8  # eight steps on 64 demonstrations read no tree: the case this exists for
-    rounds = by_round.index(8) + 1 if 8 in by_round else 3
+    rounds = by_round.index(8) + 1 if 8 in by_round else 2
     assert len(by_round) == rounds >= 2 and kept["leaves_right"] == by_round[-1]
-    assert kept["max_rounds"] == 3 and len(kept["curve"]["loss"]) == 8 * rounds
+    assert kept["max_rounds"] == 2 and len(kept["curve"]["loss"]) == 8 * rounds
     one = [cfg.lr * schedule_factor(k, "linear", 2, 8, 0.1) for k in range(8)]
     assert kept["curve"]["lr"] == pytest.approx(one * rounds)  # each round from its warm-up
     assert len(kept["last_guesses"]) == 8 and sum(
