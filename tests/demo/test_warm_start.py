@@ -228,5 +228,7 @@ def test_rounds_are_keyed_and_checked() -> None:
     pytest.importorskip("torch")
     assert WarmStartConfig.max_rounds == 4  # the default: rounds until every leaf is read, at most four
     assert WarmStartConfig(max_rounds=2).key() != WarmStartConfig(max_rounds=1).key()
-    with pytest.raises(ValueError, match="max_rounds must be at least 1, not 0"):
+    with pytest.raises(ValueError, match="max_rounds and sft_steps must be at least 1, not 0 and 250"):
         WarmStartConfig(max_rounds=0).resolved()
+    with pytest.raises(ValueError, match="max_rounds and sft_steps must be at least 1, not 4 and 0"):
+        WarmStartConfig(sft_steps=0).resolved()

@@ -105,8 +105,9 @@ class WarmStartConfig:
             raise ValueError(f"warm-start demo_turn must be one of {', '.join(DEMO_TURNS)}, not {self.demo_turn!r}")
         if not 0.0 <= self.habit <= 1.0:
             raise ValueError(f"warm-start habit must be a probability in [0, 1], not {self.habit!r}")
-        if self.max_rounds < 1:
-            raise ValueError(f"warm-start max_rounds must be at least 1, not {self.max_rounds!r}")
+        if self.max_rounds < 1 or self.sft_steps < 1:  # each run of the schedule ends with a reading
+            raise ValueError(f"warm-start max_rounds and sft_steps must be at least 1, not {self.max_rounds!r} "
+                             f"and {self.sft_steps!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"warm-start lr_schedule must be one of {', '.join(LR_SCHEDULES)}, "
                              f"not {self.lr_schedule!r}")
@@ -252,7 +253,6 @@ def _build(out: Path, cfg: WarmStartConfig, progress: bool, save_at: Sequence[in
                 log.info("the warm start reads %d of %d leaves after %d steps: another %d", by_round[-1],
                          len(leaves), step + 1, cfg.sft_steps)
     model.save_pretrained(tmp, safe_serialization=True)
-    model.eval()
     right = by_round[-1]
     if right < len(leaves):  # a build that never learned to read the later answers: RL only sharpens it
         log.warning("the warm start's greedy last guess is right at %d of %d leaves of the bisection tree after "
