@@ -147,6 +147,24 @@ def test_rl_trains_in_fp32_unless_another_precision_is_asked(tmp_path: Path,
     assert "invalid choice: 'fp16'" in capsys.readouterr().err
 
 
+def test_publish_pause_reaches_the_demos_publisher(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--publish-pause keep`: the demo's weight swaps keep requests in flight (serving/publisher.py);
+    the default waits for them, as every recorded run did."""
+    from lightning_middleware.cli import build_parser
+    from trainer_backend.demo.cli import config_from
+    from trainer_backend.demo.run import DemoRun
+    from trainer_backend.serving.server import VLLMServer
+
+    assert config_from(build_parser().parse_args(["demo"])).publish_pause == "wait"
+    cfg = config_from(build_parser().parse_args(["demo", "--publish-pause", "keep", "--out", str(tmp_path)]))
+    run = DemoRun(dataclasses.replace(cfg, train_tasks=2, eval_tasks=2))
+    run.server = VLLMServer(tmp_path)  # never started: the publisher only keeps its URL
+    assert run._publisher().pause == "keep"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--publish-pause", "abort"])
+    assert "invalid choice: 'abort'" in capsys.readouterr().err
+
+
 def test_sit_out_uniform_is_read_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     from lightning_middleware.cli import build_parser
     from trainer_backend.demo.cli import config_from

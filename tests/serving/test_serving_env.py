@@ -84,6 +84,9 @@ def test_publisher_url_and_precheck(tmp_path: Path) -> None:
     # An unreachable server is never contacted for a folder without weights.
     with pytest.raises(PublishError, match="safetensors"):
         WeightPublisher("http://127.0.0.1:9/v1").publish(tmp_path, "x")
+    # "abort" would lose the work in flight: refused in one line that names the modes
+    with pytest.raises(ValueError, match=r"^pause must be one of wait, keep, not 'abort'$"):
+        WeightPublisher("http://127.0.0.1:9/v1", pause="abort")  # type: ignore[arg-type]
 
 
 def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:

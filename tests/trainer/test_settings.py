@@ -74,6 +74,15 @@ def test_eval_and_stale_flags_reach_the_daemon_config(tmp_path: Path) -> None:
         settings_from(_parse("--stale", "maybe"))
 
 
+def test_publish_pause_flag(tmp_path: Path) -> None:
+    """`--publish-pause keep`: requests in flight go on with the new weights (serving/publisher.py);
+    "abort" (lose them) is not offered."""
+    assert settings_from(_parse()).run.publish_pause == "wait"
+    assert settings_from(_parse("--publish-pause", "keep")).run.publish_pause == "keep"
+    with pytest.raises(SettingsError, match="run.publish_pause: Input should be 'wait' or 'keep'"):
+        settings_from(_parse("--publish-pause", "abort"))
+
+
 def test_print_config_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "trainer.toml"
     path.write_text(CONFIG)

@@ -33,6 +33,8 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--serve": ("run.serve", str, "vLLM server URL to publish weights to (omit: no publishing)"),
     "--gateway": ("run.gateway", str, "gateway URL to pause during swaps"),
     "--gateway-token": ("run.gateway_token", str, "the gateway's bearer token (default: $LIGHTNING_GATEWAY_TOKEN)"),
+    "--publish-pause": ("run.publish_pause", str, "during a swap, requests in flight wait: finish on the old "
+                                                  "weights (default); keep: go on with the new ones"),
     "--engine": ("run.engine", str, "torch (one machine) or verl (GPU clusters)"),
     "--mode": ("run.mode", str, "async (train while agents run) or sync"),
     "--checkpoints": ("run.checkpoints", str, "checkpoint directory"),
@@ -185,7 +187,7 @@ def run_trainer(args: argparse.Namespace) -> int:
     if r.serve:
         publisher = WeightPublisher(r.serve, gateway_url=r.gateway, gateway_token=r.gateway_token,
                                     adapter_name=settings.lora.name if settings.lora.rank and not settings.lora.policies
-                                    else None)
+                                    else None, pause=r.publish_pause)
         if version > 0:  # the server may hold weights of a step that never committed
             publisher.publish(start_dir, version)
         elif settings.lora.rank:  # a new adapter (the base exactly): served before any agent asks for it

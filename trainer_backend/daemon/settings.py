@@ -40,6 +40,9 @@ class RunSettings(_Section):
     serve: str | None = None  # vLLM server to publish weights to
     gateway: str | None = None  # gateway to pause during swaps
     gateway_token: str | None = None  # default: $LIGHTNING_GATEWAY_TOKEN
+    # what requests in flight do during a swap: finish on the old weights first, or continue on the
+    # new ones (serving/publisher.py)
+    publish_pause: Literal["wait", "keep"] = "wait"
     engine: Literal["torch", "verl"] = "torch"
     mode: Literal["async", "sync"] = "async"
     checkpoints: str = "runs/checkpoints"

@@ -135,6 +135,9 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--rl-precision", choices=("fp32", "bf16", "bf16-autocast", "auto"), default=d.rl_precision,
                    help="the RL engine's precision (default fp32, as the recipes were tuned; bf16 keeps fp32 master "
                         "weights and is the fastest where the CPU computes bf16 natively; auto: bf16 there, else fp32)")
+    p.add_argument("--publish-pause", choices=("wait", "keep"), default=d.publish_pause,
+                   help="during each weight swap, requests in flight finish on the old weights first (wait, the "
+                        "default) or are kept and go on with the new ones (keep: the swap waits for none)")
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy evaluations")
     p.add_argument("--train-temperature", type=temperature, default=d.train_temperature, metavar="T",
                    help="the RL rollouts' sampling temperature (default %(default)g; the evaluations run at 1 "
@@ -198,6 +201,7 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
                       warm_start_turn=args.warm_start_turn, warm_start_habit=args.warm_start_habit,
                       warm_start_rounds=args.warm_start_rounds,
                       rl_precision=args.rl_precision, sit_out_uniform=args.sit_out_uniform,
+                      publish_pause=args.publish_pause,
                       threads=args.threads, model_dir=None if smol else args.model,
                       max_steps=args.max_steps, greedy=not args.no_greedy, rewards=args.rewards,
                       train_temperature=args.train_temperature,

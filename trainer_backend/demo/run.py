@@ -56,7 +56,7 @@ from trainer_backend.demo.sft import idle_cores
 from trainer_backend.demo.task import make_tasks
 from trainer_backend.demo.warm_start import WarmStartConfig, warm_start
 from trainer_backend.serving.env import ensure_vllm_env
-from trainer_backend.serving.publisher import WeightPublisher
+from trainer_backend.serving.publisher import PauseMode, WeightPublisher
 from trainer_backend.serving.server import VLLMServer
 
 if TYPE_CHECKING:  # torch is imported when training starts
@@ -98,6 +98,9 @@ class DemoConfig:
     # RL's engine precision (TorchEngineConfig.precision): fp32 by default, as the recipes were tuned;
     # "bf16" (fp32 master weights) trains SmolLM2 2.3x faster on AMX (docs/benchmarks.md)
     rl_precision: str = "fp32"
+    # during a weight swap, requests in flight finish on the old weights first ("wait") or go on with
+    # the new ones ("keep"; serving/publisher.py)
+    publish_pause: PauseMode = "wait"
     model_dir: str | None = None  # start from this HF folder instead of the cached warm start
     greedy: bool = True  # also evaluate greedily
     # the RL rollouts' sampling temperature (the evaluations keep T=1 and greedy); the trainer scores
@@ -346,7 +349,7 @@ class DemoRun:
 
     def _publisher(self) -> WeightPublisher:
         assert self.server is not None
-        return WeightPublisher(self.server.url)
+        return WeightPublisher(self.server.url, pause=self.cfg.publish_pause)
 
     # -- 5. report ---------------------------------------------------------------------
     def report(self) -> dict[str, Any]:

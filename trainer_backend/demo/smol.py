@@ -231,7 +231,8 @@ class SmolDemoRun(DemoRun):
 
     def _publisher(self) -> WeightPublisher:
         assert self.server is not None
-        return WeightPublisher(self.server.url, adapter_name=POLICY if self.lora_rank else None)
+        return WeightPublisher(self.server.url, adapter_name=POLICY if self.lora_rank else None,
+                               pause=self.cfg.publish_pause)
 
     def train(self) -> None:
         if self.cfg.max_steps == 0:  # evaluation only (the untouched model's numbers)

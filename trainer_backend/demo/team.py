@@ -196,7 +196,7 @@ class TeamDemoRun(DemoRun):
 
     def _publisher(self) -> WeightPublisher:
         assert self.server is not None
-        return WeightPublisher(self.server.url)
+        return WeightPublisher(self.server.url, pause=self.cfg.publish_pause)
 
     def evaluate(self, tag: str) -> dict[str, Any]:
         assert self.controller is not None and self.store is not None

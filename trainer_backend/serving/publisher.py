@@ -5,11 +5,13 @@ Sequence (all over HTTP, the server runs with ``VLLM_SERVER_DEV_MODE=1`` and the
 
 1. gateway ``POST /admin/pause`` (optional: only when a gateway URL is given; with its bearer
    token, through `lightning_middleware.gateway.admin.GatewayAdmin`),
-2. engine ``POST /pause?mode=wait`` (in-flight requests finish, new ones wait),
+2. engine ``POST /pause?mode=wait`` (in-flight requests finish, new ones wait); or, with
+   ``pause="keep"``, ``mode=keep``: in-flight requests are frozen where they are, not drained,
 3. ``POST /collective_rpc`` ``lightning_reload`` (reload from safetensors and
    re-pack the CPU output layer, see the worker extension),
 4. ``POST /reset_prefix_cache`` (a reload does NOT invalidate cached KV; the pause's own clear
-   happened before the reload),
+   happened before the reload); kept requests are preempted by it (``reset_running_requests``),
+   so on resume their context is computed again with the new weights,
 5. ``POST /update_weight_version`` (tag),
 6. engine ``POST /resume`` and gateway ``POST /admin/resume``, always, in ``finally``; after a
    successful swap the gateway resumes with the new policy version (an integer tag), so the
@@ -22,6 +24,14 @@ are pre-packed into oneDNN handles and are not among them, so it covers embeddin
 norms and biases only: a cheap "did the reload touch the weights" signal, not a
 proof. The proof is in the tests (logprobs equal an HF forward pass). Core module:
 httpx only.
+
+Why ``keep`` (in-flight weight updates, as PipelineRL and AReaL's interruptible rollouts do): a
+``wait`` pause lasts as long as the longest completion in flight, and the trainer waits with it
+(14-15 s in some steps of a BFCL run on 2 CPU cores, docs/benchmarks.md). Kept, a completion
+that spans the swap has its first tokens from the old weights and the rest from the new, each
+token's log-prob the one it was sampled with: what the trainer's importance ratio compares
+against. Its call keeps one policy version, stamped as before the swap (`lightning_middleware`'s
+capture), so its staleness counts from its older part.
 
 A checkpoint that holds LoRA adapters (one, or one folder per policy) publishes by served name
 instead of step 3 (adapters.py: staged by the worker before the pause, committed in it, no
@@ -36,7 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import httpx
 
@@ -44,6 +54,8 @@ from lightning_middleware.gateway.admin import GatewayAdmin
 from trainer_backend.serving.adapters import AdapterError, AdapterSlots
 
 log = logging.getLogger(__name__)
+
+PauseMode = Literal["wait", "keep"]  # vLLM's /pause modes the publisher uses (not "abort": it loses work)
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's: a checkpoint holding it is a LoRA adapter folder
 
@@ -95,11 +107,17 @@ class WeightPublisher:
         reset_retries: int = 20,
         adapter_name: str | None = None,
         served_root: str | os.PathLike[str] | None = None,
+        pause: PauseMode = "wait",
     ) -> None:
         """`gateway_token`: the gateway's bearer token (default: $LIGHTNING_GATEWAY_TOKEN).
         `adapter_name`: the served model name of a LoRA policy; a checkpoint that is an adapter
         folder is published under it (no full reload). `served_root`: where each served adapter's
-        own folder is kept (default: `served-adapters/` beside the checkpoints; adapters.py)."""
+        own folder is kept (default: `served-adapters/` beside the checkpoints; adapters.py).
+        `pause`: what requests in flight do during the swap: "wait" (they finish on the old
+        weights first) or "keep" (frozen, then continued on the new ones; the module's docstring)."""
+        if pause not in get_args(PauseMode):
+            raise ValueError(f"pause must be one of {', '.join(get_args(PauseMode))}, not {pause!r}")
+        self.pause = pause
         self.adapter_name = adapter_name
         self.server_url = server_root(server_url)
         self.gateway_url = gateway_url.rstrip("/") if gateway_url else None
@@ -150,8 +168,9 @@ class WeightPublisher:
 
         `reset=False` leaves out the second prefix-cache reset: the pause cleared the cache (vLLM's
         `/pause` resets it once in-flight requests have drained; `clear_cache` is sent), and while
-        the engine is paused nothing runs, so nothing is cached before the resume. The steps run one
-        after another: run concurrently they lengthened the pause (docs/benchmarks.md).
+        the engine is paused nothing runs, so nothing is cached before the resume. A `keep` pause
+        resets anyway: its frozen requests hold the old weights' KV. The steps run one after
+        another: run concurrently they lengthened the pause (docs/benchmarks.md).
         """
         t: dict[str, float] = {"reset_cache": 0.0}
         t_start = time.perf_counter()
@@ -161,13 +180,14 @@ class WeightPublisher:
         try:
             if self.gateway is not None:
                 gateway = self.gateway
-                _timed(t, "gateway_pause", lambda: gateway.pause(timeout=self.timeout))
+                # keep: new calls wait at the gateway, those in flight are frozen in vLLM, not drained
+                _timed(t, "gateway_pause", lambda: gateway.pause(wait=self.pause == "wait", timeout=self.timeout))
                 gw_paused = True
             _timed(t, "engine_pause", lambda: _ok(c.post(f"{self.server_url}/pause",
-                                                         params={"mode": "wait", "clear_cache": "true"})))
+                                                         params={"mode": self.pause, "clear_cache": "true"})))
             engine_paused_at = time.perf_counter()
             info = _timed(t, "reload", reload)
-            if reset:
+            if reset or self.pause == "keep":  # kept requests hold KV of the old weights
                 _timed(t, "reset_cache", lambda: self._reset_prefix_cache(c))
             _timed(t, "tag", lambda: _ok(c.post(f"{self.server_url}/update_weight_version",
                                                 json={"new_version": tag})))
@@ -260,9 +280,11 @@ class WeightPublisher:
 
     def _reset_prefix_cache(self, c: httpx.Client) -> None:
         # Fails (success=false) while blocks are held; paused in "wait" mode none
-        # should be, but retry briefly rather than serve stale KV.
+        # should be, but retry briefly rather than serve stale KV. Kept requests hold theirs:
+        # they are preempted, and computed again from their tokens on resume.
+        params = {"reset_running_requests": "true"} if self.pause == "keep" else None
         for _ in range(self.reset_retries):
-            if _ok(c.post(f"{self.server_url}/reset_prefix_cache")).json().get("success", True):
+            if _ok(c.post(f"{self.server_url}/reset_prefix_cache", params=params)).json().get("success", True):
                 return
             time.sleep(0.05)
         raise PublishError("could not reset the prefix cache; stale KV would be served")
