@@ -27,11 +27,12 @@ httpx only.
 
 Why ``keep`` (in-flight weight updates, as PipelineRL and AReaL's interruptible rollouts do): a
 ``wait`` pause lasts as long as the longest completion in flight, and the trainer waits with it
-(14-15 s in some steps of a BFCL run on 2 CPU cores, docs/benchmarks.md). Kept, a completion
+(14-15 s in some steps of a BFCL run on 2 CPU cores; docs/serving.md). Kept, a completion
 that spans the swap has its first tokens from the old weights and the rest from the new, each
 token's log-prob the one it was sampled with: what the trainer's importance ratio compares
-against. Its call keeps one policy version, stamped as before the swap (`lightning_middleware`'s
-capture), so its staleness counts from its older part.
+against. Its call keeps one policy version, stamped before the swap (`lightning_middleware`'s
+capture), so its staleness counts from its older part. An adapter publish resets the same way
+(tested for full weights only).
 
 A checkpoint that holds LoRA adapters (one, or one folder per policy) publishes by served name
 instead of step 3 (adapters.py: staged by the worker before the pause, committed in it, no
