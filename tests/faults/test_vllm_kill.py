@@ -42,6 +42,7 @@ def test_vllm_killed_mid_rollout(vllm_python: Path, tied_checkpoints: Any, tmp_p
     open_streams: set[int] = set()
     lock = threading.Lock()
     killed = threading.Event()
+    late = threading.Event()  # the next chunk any stream receives kills the server
 
     def kill() -> None:  # under `lock`, once
         if not killed.is_set():
@@ -60,7 +61,7 @@ def test_vllm_killed_mid_rollout(vllm_python: Path, tied_checkpoints: Any, tmp_p
                 flowing.set()
                 with lock:
                     open_streams.add(stream_id)
-                    if len(open_streams) == ROLLOUTS:
+                    if len(open_streams) == ROLLOUTS or late.is_set():
                         kill()  # from here: this stream has its first tokens and is certainly cut
                 if chunk.choices:
                     text += chunk.choices[0].delta.content or ""
@@ -69,11 +70,15 @@ def test_vllm_killed_mid_rollout(vllm_python: Path, tied_checkpoints: Any, tmp_p
             messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "go on"}]
         return 1.0
 
-    def kill_late() -> None:  # where the four never flow at once: a kill 2 s after the first token
+    # Where the four never flow at once: a kill 2 s after the first token, from inside an open stream
+    # (a kill between two calls, on a slow or loaded machine, cut none), or at 30 s whatever flows.
+    def kill_late() -> None:
         flowing.wait(120)
         time.sleep(2.0)
-        with lock:
-            kill()
+        late.set()
+        if not killed.wait(28.0):
+            with lock:
+                kill()
 
     killer = threading.Thread(target=kill_late, daemon=True)
     killer.start()

@@ -253,7 +253,9 @@ def test_a_kept_swap_continues_requests_in_flight_on_the_new_weights(vllm_server
     v1, v2, _ = tied_checkpoints.variants
     assert WeightPublisher(vllm_server.base_url).publish(v1, f"{pause}-v1").verified
     publisher = WeightPublisher(vllm_server.base_url, pause=pause)  # type: ignore[arg-type]
-    n_requests, n_tokens = 8, 400  # the engine decodes them together for seconds, past the publish's pause
+    # The engine decodes them together for ~10 s here (24 x 900: 16 s), the publish reaches its pause
+    # within ~1 s (it reads a checksum first): 8 x 400 (~3 s) lost that race under load in a run.
+    n_requests, n_tokens = 16, 900
     outs: list[dict[str, Any]] = []
     errors: list[str] = []
 
