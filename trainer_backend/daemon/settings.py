@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from lightning_middleware.errors import UsageError
 from trainer_backend.algorithms import registry
 from trainer_backend.algorithms.registry import OUTCOME, get, trains_uniform_groups
+from trainer_backend.serving.publisher import PauseMode
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -42,7 +43,7 @@ class RunSettings(_Section):
     gateway_token: str | None = None  # default: $LIGHTNING_GATEWAY_TOKEN
     # what requests in flight do during a swap: finish on the old weights first, or continue on the
     # new ones (serving/publisher.py)
-    publish_pause: Literal["wait", "keep"] = "wait"
+    publish_pause: PauseMode = "wait"
     engine: Literal["torch", "verl"] = "torch"
     mode: Literal["async", "sync"] = "async"
     checkpoints: str = "runs/checkpoints"

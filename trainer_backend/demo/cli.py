@@ -10,12 +10,13 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from trainer_backend.algorithms.registry import ALGORITHMS
 from trainer_backend.demo.report import plot_curve
 from trainer_backend.demo.run import DemoConfig, run_demo
 from trainer_backend.demo.task import DEMO_TURNS
+from trainer_backend.serving.publisher import PauseMode
 
 # The team task trains LoRA adapters (rank 16, alpha 16): they take a higher lr than the whole
 # model (docs/policies.md has the runs).
@@ -135,7 +136,7 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--rl-precision", choices=("fp32", "bf16", "bf16-autocast", "auto"), default=d.rl_precision,
                    help="the RL engine's precision (default fp32, as the recipes were tuned; bf16 keeps fp32 master "
                         "weights and is the fastest where the CPU computes bf16 natively; auto: bf16 there, else fp32)")
-    p.add_argument("--publish-pause", choices=("wait", "keep"), default=d.publish_pause,
+    p.add_argument("--publish-pause", choices=get_args(PauseMode), default=d.publish_pause,
                    help="during each weight swap, requests in flight finish on the old weights first (wait, the "
                         "default) or are kept and go on with the new ones (keep: the swap waits for none)")
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy evaluations")
