@@ -166,7 +166,7 @@ def prefix_break_rate(stats: pd.DataFrame) -> float:
 # Where a training step's time goes
 # --------------------------------------------------------------------------
 
-STEP_PHASES = ("waiting_s", "build_s", "forward_backward_s", "save_s", "publish_s", "other_s")
+STEP_PHASES = ("waiting_s", "build_s", "forward_backward_s", "save_s", "drain_s", "publish_s", "other_s")
 ROLLOUT_PHASES = ("rollout_s", "generation_s", "agent_s", "scoring_s")
 
 
@@ -178,8 +178,10 @@ def step_breakdown(store: TraceStore | str | None = None, *, trainer_id: str | N
     the step's own work (waiting for enough finished, scored groups: generation and scoring that
     did not overlap training); `build_s` (the store read, rows and advantages);
     `forward_backward_s` (the engine's step); `save_s` (the checkpoint; NaN in stores from before
-    it was recorded, where `other_s` holds it); `publish_s` (the weights into the server);
-    `other_s` (the rest: drift checks, bookkeeping).
+    it was recorded, where `other_s` holds it); `drain_s` (the publish's pause of the server and
+    the gateway: with `pause="wait"`, waiting for the completions in flight to end, what
+    `pause="keep"` gives back; docs/serving.md); `publish_s` (the rest of the publish: the weights
+    into the server, the cache reset, the resume); `other_s` (the rest: drift checks, bookkeeping).
 
     The rollout side (ROLLOUT_PHASES), means over the rollouts the step trained on; in async mode
     these ran while earlier steps trained, so they overlap the trainer's phases: `rollout_s`
@@ -206,6 +208,7 @@ def step_breakdown(store: TraceStore | str | None = None, *, trainer_id: str | N
         total = float(m.get("step_time_s", float("nan")))
         build, fb = float(m.get("batch_build_s", 0.0)), float(m.get("time_s", 0.0))
         save, publish = float(m.get("save_s", float("nan"))), float(m.get("publish_total_s", 0.0))
+        drain = float(m.get("publish_engine_pause_s", 0.0)) + float(m.get("publish_gateway_pause_s", 0.0))
         per = [rollouts[i] for i in s.rollout_ids if i in rollouts]
         durations = [(r.ended_at or r.created_at) - r.created_at for r in per]
         generation = [float(latency.get(r.id, 0.0)) for r in per]
@@ -213,7 +216,7 @@ def step_breakdown(store: TraceStore | str | None = None, *, trainer_id: str | N
         rows.append({
             "trainer_id": s.trainer_id, "step": s.step, "policy_version": s.policy_version,
             "created_at": s.created_at, "rollouts": len(s.rollout_ids), "step_s": total,
-            "build_s": build, "forward_backward_s": fb, "save_s": save, "publish_s": publish,
+            "build_s": build, "forward_backward_s": fb, "save_s": save, "drain_s": drain, "publish_s": publish - drain,
             "other_s": total - build - fb - publish - (0.0 if math.isnan(save) else save),
             "rollout_s": _mean(durations), "generation_s": _mean(generation),
             "agent_s": _mean([d - g for d, g in zip(durations, generation)]), "scoring_s": _mean(scoring),

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from lightning_middleware import TraceStore
+from lightning_middleware import TraceStore, TrainStep
 from lightning_middleware import analysis as A
 from lightning_middleware.records import STEP_METRICS
 from lightning_middleware.testing import LLMTestServer
@@ -151,3 +151,21 @@ def test_transcript_shows_and_marks_the_choice_trained(store: TraceStore) -> Non
     assert A.trained_spans(store.calls("rc")) == {"c0": (3, 3), "c1": (1, 1)}
     text = A.transcript(store, "rc").text()
     assert "one!" in text and "zero" not in text and "choices=2 trained=1" in text
+
+
+def test_the_step_breakdown_shows_the_publishs_drain_apart(store: TraceStore) -> None:
+    """A publish that waited for completions in flight (its pause calls, server and gateway) shows
+    as `drain_s`, the rest of the publish as `publish_s`; the phases still sum to the interval.
+    A step published without a gateway, or not published, drains nothing."""
+    timings = {"step_time_s": 20.0, "batch_build_s": 1.0, "time_s": 10.0, "save_s": 2.0}
+    published = {"publish_total_s": 6.5, "publish_engine_pause_s": 4.0, "publish_gateway_pause_s": 1.5}
+    for step, at, extra in ((1, 100.0, {}), (2, 130.0, published), (3, 160.0, {"publish_total_s": 1.0,
+                                                                               "publish_engine_pause_s": 0.25})):
+        store.commit_train_step(TrainStep(step=step, policy_version=step, created_at=at, trainer_id="t",
+                                          metrics={**timings, **extra}))
+    df = A.step_breakdown(store)
+    assert list(df.drain_s) == [0.0, 5.5, 0.25] and list(df.publish_s) == [0.0, 1.0, 0.75]
+    assert list(df.other_s) == [7.0, 0.5, 6.0]  # the step less build, forward/backward, save, publish
+    for _, row in df.iloc[1:].iterrows():
+        assert row.interval_s == 30.0 and row.waiting_s == 10.0
+        assert row[list(A.STEP_PHASES)].sum() == pytest.approx(30.0)
