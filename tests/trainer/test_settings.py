@@ -83,6 +83,24 @@ def test_publish_pause_flag(tmp_path: Path) -> None:
         settings_from(_parse("--publish-pause", "abort"))
 
 
+def test_the_trainer_publishes_as_the_settings_say(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`lightning-mw trainer`'s publisher (make_publisher): the pause mode, the gateway and a single
+    LoRA policy's served name reach it; separate policies publish each adapter by folder; no server, none."""
+    from trainer_backend.daemon.cli import make_publisher
+
+    monkeypatch.setenv("LIGHTNING_GATEWAY_TOKEN", "t")
+    assert make_publisher(settings_from(_parse())) is None
+    full = make_publisher(settings_from(_parse("--serve", "http://127.0.0.1:8000/v1", "--publish-pause", "keep")))
+    assert full is not None and (full.pause, full.server_url, full.adapter_name, full.gateway) == (
+        "keep", "http://127.0.0.1:8000", None, None)
+    lora = make_publisher(settings_from(_parse("--serve", "http://s:1", "--gateway", "http://g:2",
+                                               "--lora-rank", "8", "--lora-name", "coder")))
+    assert lora is not None and (lora.pause, lora.adapter_name, lora.gateway_url) == ("wait", "coder", "http://g:2")
+    team = make_publisher(settings_from(_parse("--serve", "http://s:1", "--lora-rank", "8",
+                                               "--policies", "coder,reviewer")))
+    assert team is not None and team.adapter_name is None
+
+
 def test_print_config_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "trainer.toml"
     path.write_text(CONFIG)

@@ -169,7 +169,7 @@ def run_trainer(args: argparse.Namespace) -> int:
     store = TraceStore(r.store)
     config = settings.trainer_config()
     start_dir, version = TrainerDaemon.resume_point(store, r.model, config.trainer_id)
-    publisher, parity = None, None
+    parity = None
     tokenizer = _tokenizer(r.model)
     if r.serve and tokenizer is not None:  # before the engine and any publish: a server that tokenises
         # differently is refused
@@ -184,10 +184,8 @@ def run_trainer(args: argparse.Namespace) -> int:
             store.add_event(Event(kind="template_mismatch", message=served.message("at the trainer's start"),
                                   source=config.trainer_id, data={"version": version, "allowed": True}))
     engine = make_engine(settings, start_dir, version)
-    if r.serve:
-        publisher = WeightPublisher(r.serve, gateway_url=r.gateway, gateway_token=r.gateway_token,
-                                    adapter_name=settings.lora.name if settings.lora.rank and not settings.lora.policies
-                                    else None, pause=r.publish_pause)
+    publisher = make_publisher(settings)
+    if publisher is not None:
         if version > 0:  # the server may hold weights of a step that never committed
             publisher.publish(start_dir, version)
         elif settings.lora.rank:  # a new adapter (the base exactly): served before any agent asks for it
@@ -220,6 +218,16 @@ def run_trainer(args: argparse.Namespace) -> int:
         if parity is not None:
             parity.close()
     return 0
+
+
+def make_publisher(settings: TrainerSettings) -> WeightPublisher | None:
+    """The publisher the settings ask for: one per served model (`run.serve`), through the gateway
+    when one is named; a single LoRA policy's adapter under its served name; None with no server."""
+    r, lora = settings.run, settings.lora
+    if not r.serve:
+        return None
+    return WeightPublisher(r.serve, gateway_url=r.gateway, gateway_token=r.gateway_token,
+                           adapter_name=lora.name if lora.rank and not lora.policies else None, pause=r.publish_pause)
 
 
 def make_engine(settings: TrainerSettings, start_dir: Path, version: int) -> Engine:
