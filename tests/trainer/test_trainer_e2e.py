@@ -76,6 +76,13 @@ def test_daemon_trains_publishes_and_the_server_moves(vllm_server, tied_checkpoi
     assert result.policy_version == 1 and result.metrics["publish_verified"] is True
     assert store.query_rollouts(consumed=False) == []
     assert publisher.weight_version() == "1"
+    # the breakdown splits the real publish: its pause call (the drain) and the rest
+    from lightning_middleware import analysis as A
+
+    [row] = A.step_breakdown(store).itertuples()
+    m = result.metrics
+    assert row.drain_s == m["publish_engine_pause_s"] > 0  # no gateway here
+    assert row.drain_s + row.publish_s == pytest.approx(m["publish_total_s"]) and row.publish_s > 0
 
     after = {rid: _completion_logprob(vllm_server.url, *pc) for rid, pc in probe.items()}
     assert after[good.id] > before[good.id]  # positive advantage: made more likely
