@@ -198,43 +198,27 @@ def test_a_kept_adapter_swap_continues_requests_in_flight_on_the_new_adapter(lor
     go on with the new adapter, its context computed again (the cache reset runs in keep mode even
     where an adapter publish skips it): each token before the swap is v1's log-prob, each after it
     v2's, as the torch engine computes them over the whole context."""
-    import threading
-
-    from tests.serving.test_serving import running_requests
+    from tests.serving.test_serving import in_flight
     from trainer_backend.engines.torch_engine import TorchEngine, TorchEngineConfig
 
     _, v1, v2 = _trained_versions(tied_checkpoints.base, tmp_path)
     publisher = WeightPublisher(lora_server.url, adapter_name="keeper", pause="keep")
     assert publisher.publish(v1, 1).verified
     n_requests, n_tokens = 16, 900  # ~10 s of decoding together, against ~1 s to the publish's pause
-    outs: list[tuple[list[int], list[float]]] = []
-    errors: list[str] = []
-
-    def ask() -> None:
-        try:
-            outs.append(_complete(lora_server, "keeper", n=n_tokens))
-        except Exception as exc:  # noqa: BLE001 - asserted below
-            errors.append(repr(exc))
-
-    threads = [threading.Thread(target=ask) for _ in range(n_requests)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 120
-    while running_requests(lora_server) < n_requests and time.monotonic() < deadline and not outs:
-        time.sleep(0.01)
+    threads, outs, errors = in_flight(lora_server, lambda _: _complete(lora_server, "keeper", n=n_tokens), n_requests)
     swap = publisher.publish(v2, 2)
     for t in threads:
         t.join(timeout=300)
     assert not errors and len(outs) == n_requests
     assert swap.verified and swap.reported_version == "2", swap.problems
-    engines = [TorchEngine(v, TorchEngineConfig(precision="fp32")) for v in (v1, v2)]
+    rows = [_row(tokens) for tokens, _ in outs]
+    old_lp, new_lp = (TorchEngine(v, TorchEngineConfig(precision="fp32")).token_logprobs(rows) for v in (v1, v2))
     tol, swaps = 1e-3, []
-    for tokens, got in outs:
+    for (tokens, got), lp1, lp2 in zip(outs, old_lp, new_lp, strict=True):
         assert len(tokens) == len(got) == n_tokens
-        ours = [e.token_logprobs([_row(tokens)])[0][len(PROMPT):] for e in engines]
-        at = next((i for i, (a, b) in enumerate(zip(got, ours[0])) if abs(a - b) > tol), n_tokens)
+        at = next((i for i, (a, b) in enumerate(zip(got, lp1[len(PROMPT):])) if abs(a - b) > tol), n_tokens)
         swaps.append(at)
-        assert max((abs(a - b) for a, b in zip(got[at:], ours[1][at:])), default=0.0) < tol, \
+        assert max((abs(a - b) for a, b in zip(got[at:], lp2[len(PROMPT) + at:])), default=0.0) < tol, \
             f"tokens {at}-{n_tokens} are not v2's: stale KV or adapter"
     assert any(0 < s < n_tokens for s in swaps), swaps  # the publish waited for none of them
 

@@ -10,9 +10,10 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -20,6 +21,8 @@ import pytest
 from tests.gateway.test_keep_alive import HTTPX_KEEPALIVE_EXPIRY_S, idle_then_ask
 from trainer_backend.serving.publisher import LM_HEAD_TOLERANCE, PublishError, WeightPublisher
 from trainer_backend.serving.server import VLLMServer, VLLMServerError, free_port
+
+T = TypeVar("T")
 
 pytestmark = [pytest.mark.vllm]
 
@@ -243,6 +246,27 @@ def running_requests(server: VLLMServer) -> float:
                if line.startswith("vllm:num_requests_running"))
 
 
+def in_flight(server: VLLMServer, ask: Callable[[int], T], n: int) -> tuple[list[threading.Thread], list[T], list[str]]:
+    """Send `ask(0)` .. `ask(n - 1)` from threads and return once vLLM decodes all n at once (or
+    one has ended, or after 120 s): the threads to join, their answers and errors as they come."""
+    outs: list[T] = []
+    errors: list[str] = []
+
+    def run(i: int) -> None:
+        try:
+            outs.append(ask(i))
+        except Exception as exc:  # noqa: BLE001 - the caller asserts there are none
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while running_requests(server) < n and time.monotonic() < deadline and not outs:
+        time.sleep(0.01)
+    return threads, outs, errors
+
+
 @pytest.mark.parametrize("pause", ["keep", "wait"])
 def test_a_kept_swap_continues_requests_in_flight_on_the_new_weights(vllm_server: VLLMServer, tied_checkpoints,
                                                                      pause: str) -> None:
@@ -256,21 +280,9 @@ def test_a_kept_swap_continues_requests_in_flight_on_the_new_weights(vllm_server
     # The engine decodes them together for ~10 s here (24 x 900: 16 s), the publish reaches its pause
     # within ~1 s (it reads a checksum first): 8 x 400 (~3 s) lost that race under load in a run.
     n_requests, n_tokens = 16, 900
-    outs: list[dict[str, Any]] = []
-    errors: list[str] = []
-
-    def ask(i: int) -> None:
-        try:
-            outs.append(greedy(vllm_server, [{"role": "user", "content": f"request {i}"}], n=n_tokens))
-        except Exception as exc:  # noqa: BLE001 - asserted below
-            errors.append(repr(exc))
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(n_requests)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 120
-    while running_requests(vllm_server) < n_requests and time.monotonic() < deadline and not outs:
-        time.sleep(0.01)
+    threads, outs, errors = in_flight(
+        vllm_server, lambda i: greedy(vllm_server, [{"role": "user", "content": f"request {i}"}], n=n_tokens),
+        n_requests)
     result = publisher.publish(v2, f"{pause}-v2")
     for t in threads:
         t.join(timeout=300)
